@@ -1,0 +1,21 @@
+"""fp8linear: block-scaled FP8 linear layers (DeepSeek-V3 numerics) for LLM inference."""
+from .quant import (FP8_DTYPE, dequantize_activation, dequantize_weight, quantize_activation,
+                    quantize_weight, reference_gemm)
+from .ops import block_fp8_gemm, fp8_linear
+from .module import FP8Linear, fp8_modules, quantize_model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FP8_DTYPE", "quantize_weight", "quantize_activation", "dequantize_weight",
+    "dequantize_activation", "reference_gemm", "block_fp8_gemm", "fp8_linear", "FP8Linear",
+    "quantize_model", "fp8_modules", "load_fp8_checkpoint", "save_fp8_checkpoint",
+]
+
+
+def __getattr__(name):
+    # checkpoint I/O imports safetensors lazily: the core needs only torch
+    if name in ("load_fp8_checkpoint", "save_fp8_checkpoint"):
+        from . import checkpoint
+        return getattr(checkpoint, name)
+    raise AttributeError(name)

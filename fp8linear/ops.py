@@ -1,0 +1,171 @@
+"""Validated entry points, backend dispatch and the torch custom ops.
+
+Checks here read only metadata (dtype, device, shape, stride), never tensor values, so the
+hot path has no host synchronisation and stays capturable by CUDA graphs and torch.compile.
+Value checks (finite scales) run once when weights load: see ``check_weight_scale_values``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .quant import BLOCK, FP8_DTYPE, cdiv
+from .kernels import heuristics
+
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ----------------------------------------------------------------------------- checks
+def _fail(msg: str):
+    raise ValueError(msg)
+
+
+def _check_2d_contiguous(t: torch.Tensor, name: str, dtype, shape):
+    if not isinstance(t, torch.Tensor):
+        _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        _fail(f"{name} must be {dtype}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        _fail(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.numel() and not t.is_contiguous():
+        _fail(f"{name} must be contiguous (row-major), got strides {t.stride()}")
+
+
+def check_weight(w: torch.Tensor, w_scale: torch.Tensor, name: str = "weight") -> None:
+    """Metadata checks for an fp8 weight and its scales (block or per-row)."""
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        _fail(f"{name} must be a 2-D [N, K] tensor, got "
+              f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
+    n, k = w.shape
+    _check_2d_contiguous(w, name, FP8_DTYPE, (n, k))
+    kb = cdiv(k, BLOCK)
+    if not isinstance(w_scale, torch.Tensor) or w_scale.dim() != 2:
+        _fail(f"{name}_scale_inv must be a 2-D fp32 tensor of shape "
+              f"({cdiv(n, BLOCK)}, {kb}) (128x128 blocks) or ({n}, {kb}) (per row)")
+    if tuple(w_scale.shape) not in ((cdiv(n, BLOCK), kb), (n, kb)):
+        _fail(f"{name}_scale_inv has shape {tuple(w_scale.shape)} but {name} is [{n}, {k}]: "
+              f"expected ({cdiv(n, BLOCK)}, {kb}) for 128x128 blocks or ({n}, {kb}) per row")
+    _check_2d_contiguous(w_scale, f"{name}_scale_inv", torch.float32, w_scale.shape)
+    if w_scale.device != w.device:
+        _fail(f"{name}_scale_inv is on {w_scale.device} but {name} is on {w.device}")
+
+
+def check_weight_scale_values(w_scale: torch.Tensor, name: str = "weight_scale_inv") -> None:
+    """Reads the data (one host sync): run once at weight load, never per call."""
+    bad = ~torch.isfinite(w_scale)
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0].tolist())
+        _fail(f"{name} has non-finite values (first at index {idx}, value "
+              f"{float(w_scale[idx])}): the checkpoint is corrupt or was quantized from "
+              f"weights holding inf/nan")
+
+
+def _check_bias(bias, n, device, name="bias"):
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (n,):
+        _fail(f"{name} must have shape ({n},), got "
+              f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}")
+    if bias.dtype not in _OUT_DTYPES:
+        _fail(f"{name} must be bf16/fp16/fp32, got {bias.dtype}")
+    if bias.device != device:
+        _fail(f"{name} is on {bias.device} but the weight is on {device}")
+    if not bias.is_contiguous():
+        _fail(f"{name} must be contiguous")
+
+
+def _check_gemm(a, a_scale, w, w_scale, bias, out_dtype):
+    check_weight(w, w_scale)
+    n, k = w.shape
+    if not isinstance(a, torch.Tensor) or a.dim() != 2:
+        _fail(f"a (activations) must be a 2-D [M, {k}] float8_e4m3fn tensor")
+    m = a.shape[0]
+    _check_2d_contiguous(a, "a (activations)", FP8_DTYPE, (m, k))
+    _check_2d_contiguous(a_scale, "a_scale", torch.float32, (m, cdiv(k, BLOCK)))
+    for t, nm in ((a, "a (activations)"), (a_scale, "a_scale")):
+        if t.device != w.device:
+            _fail(f"{nm} is on {t.device} but the weight is on {w.device}")
+    _check_bias(bias, n, w.device)
+    if out_dtype not in _OUT_DTYPES:
+        _fail(f"out_dtype must be one of bf16/fp16/fp32, got {out_dtype}")
+    return m, n, k
+
+
+# ------------------------------------------------------------------------ custom ops
+# The GEMMs run as custom ops in our own namespace, with fake (meta) implementations, so
+# torch.compile traces through them and CUDA graphs capture them.
+@torch.library.custom_op("fp8linear::block_fp8_gemm", mutates_args=())
+def _gemm_op(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+             bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    out = torch.empty(a.shape[0], w.shape[0], dtype=out_dtype, device=a.device)
+    heuristics.backend_for(a.device, *_gemm_dims(a, w)).gemm(a, a_scale, w, w_scale, bias, out)
+    return out
+
+
+@_gemm_op.register_fake
+def _(a, a_scale, w, w_scale, bias, out_dtype):
+    return a.new_empty((a.shape[0], w.shape[0]), dtype=out_dtype)
+
+
+@torch.library.custom_op("fp8linear::fp8_linear", mutates_args=())
+def _linear_op(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+               bias: Optional[torch.Tensor]) -> torch.Tensor:
+    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    heuristics.backend_for(x.device, *_gemm_dims(x, w)).linear(x, w, w_scale, bias, out)
+    return out
+
+
+@_linear_op.register_fake
+def _(x, w, w_scale, bias):
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+def _gemm_dims(a, w):
+    return a.shape[0], w.shape[0], w.shape[1]
+
+
+# ----------------------------------------------------------------------- public API
+def block_fp8_gemm(a_fp8: torch.Tensor, a_scale: torch.Tensor, w_fp8: torch.Tensor,
+                   w_scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+                   out: Optional[torch.Tensor] = None,
+                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """C[M,N] = sum over 128-wide K blocks of (A.Wt)_blk x a_scale[m,kb] x w_scale[n,kb].
+
+    a_fp8 [M,K] float8_e4m3fn; a_scale fp32 [M, ceil(K/128)]; w_fp8 [N,K] float8_e4m3fn;
+    w_scale fp32 [ceil(N/128), ceil(K/128)] (128x128 blocks) or [N, ceil(K/128)] (per row).
+    """
+    m, n, _ = _check_gemm(a_fp8, a_scale, w_fp8, w_scale, bias, out_dtype)
+    if out is None:
+        return _gemm_op(a_fp8, a_scale, w_fp8, w_scale, bias, out_dtype)
+    _check_2d_contiguous(out, "out", out_dtype, (m, n))
+    if out.device != w_fp8.device:
+        _fail(f"out is on {out.device} but the weight is on {w_fp8.device}")
+    heuristics.backend_for(a_fp8.device, *_gemm_dims(a_fp8, w_fp8)).gemm(
+        a_fp8, a_scale, w_fp8, w_scale, bias, out)
+    return out
+
+
+def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y = x @ dequant(W)^T + bias, x bf16/fp16/fp32 of any leading shape, y in x's dtype.
+
+    x is quantized on the fly per token per 128 channels (fused into the GEMM launch where
+    the backend can).
+    """
+    check_weight(w_fp8, w_scale)
+    n, k = w_fp8.shape
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != k:
+        _fail(f"x must have last dimension {k} (the weight is [{n}, {k}]), got "
+              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if x.dtype not in _OUT_DTYPES:
+        _fail(f"x must be bf16/fp16/fp32, got {x.dtype}")
+    if x.device != w_fp8.device:
+        _fail(f"x is on {x.device} but the weight is on {w_fp8.device}")
+    _check_bias(bias, n, w_fp8.device)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    y = _linear_op(x2, w_fp8, w_scale, bias)
+    return y.view(*lead, n)
