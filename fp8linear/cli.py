@@ -1,0 +1,100 @@
+"""The `fp8linear` command: quantize, info, demo, build."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _quantize(args) -> int:
+    from .checkpoint import quantize_checkpoint
+    report = quantize_checkpoint(args.in_dir, args.out_dir, skip=args.skip or (),
+                                 ue8m0=args.ue8m0, force=args.force,
+                                 progress=not args.quiet)
+    print(report.summary())
+    return 0
+
+
+def _info(args) -> int:
+    from .checkpoint import checkpoint_info, format_checkpoint_info
+    info = checkpoint_info(args.dir)
+    print(json.dumps(info, indent=2) if args.json else format_checkpoint_info(info))
+    return 0
+
+
+def _demo(args) -> int:
+    import torch
+
+    from .demo import CUDA_CONFIG, DemoConfig, format_report, run_demo
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cfg = CUDA_CONFIG if device.type == "cuda" else DemoConfig()
+    if args.seed is not None:
+        cfg.seed = args.seed
+    if args.layers is not None:
+        cfg.num_layers = args.layers
+    result = run_demo(cfg, device=device)
+    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    return 0
+
+
+def _build(args) -> int:
+    # imported here: the build system pulls in torch's cpp_extension and needs nvcc
+    try:
+        from .kernels.build import precompile
+    except ImportError as e:
+        print(f"fp8linear build: the kernel build system is not available ({e})",
+              file=sys.stderr)
+        return 1
+    precompile()
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fp8linear", description=(
+        "Block-scaled FP8 (DeepSeek-V3 128x128) linear layers: convert checkpoints, inspect "
+        "them, run the demo, build the CUDA kernels."))
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    q = sub.add_parser("quantize", help="convert a bf16/fp16/fp32 safetensors checkpoint "
+                                        "to block FP8, shard by shard")
+    q.add_argument("in_dir", metavar="IN_DIR")
+    q.add_argument("out_dir", metavar="OUT_DIR")
+    q.add_argument("--skip", action="append", metavar="PATTERN",
+                   help="leave tensors whose name contains PATTERN (or matches it as a glob) "
+                        "in high precision; repeatable")
+    q.add_argument("--ue8m0", action="store_true",
+                   help="power-of-two scales (DeepSeek-V3.1's scale_fmt ue8m0)")
+    q.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    q.add_argument("--quiet", action="store_true", help="no progress bar")
+    q.set_defaults(func=_quantize)
+
+    i = sub.add_parser("info", help="what a checkpoint directory holds")
+    i.add_argument("dir", metavar="DIR")
+    i.add_argument("--json", action="store_true", help="machine-readable output")
+    i.set_defaults(func=_info)
+
+    d = sub.add_parser("demo", help="quantize a small random Llama-style model and compare "
+                                    "it with the original (no downloads)")
+    d.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    d.add_argument("--seed", type=int)
+    d.add_argument("--layers", type=int)
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    d.set_defaults(func=_demo)
+
+    b = sub.add_parser("build", help="compile the CUDA kernels now instead of on first use")
+    b.set_defaults(func=_build)
+    return p
+
+
+def main(argv=None) -> int:
+    args = make_parser().parse_args(argv)
+    from .checkpoint import CheckpointError
+    try:
+        return args.func(args)
+    except (CheckpointError, ValueError, FileNotFoundError) as e:
+        print(f"fp8linear {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
