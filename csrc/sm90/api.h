@@ -1,0 +1,64 @@
+// Host-side entry points of the sm90 kernels. Plain C++ (raw pointers, cudaStream_t): no torch
+// headers, so these translation units build in parallel and fast; bindings.cpp is the glue.
+#pragma once
+#include <cuda_runtime.h>
+#include <string>
+
+namespace fp8l {
+
+enum OutDType : int { kOutBF16 = 0, kOutFP16 = 1 };
+
+struct GemmArgs {
+  const void* a;          // [M, K] fp8 e4m3, row-major
+  const float* a_scale_t; // [num_kb, a_scale_ld] fp32 (token-minor: TMA-loadable per K block)
+  int a_scale_ld;         // >= M, multiple of 4 (16-byte rows for TMA)
+  const void* w;          // [N, K] fp8 e4m3, row-major
+  const float* w_scale;   // [ceil(N/128), num_kb] or [N, num_kb]
+  bool w_scale_per_row;
+  const void* bias;       // [N] in the output dtype, or nullptr
+  void* out;              // [M, N] bf16/fp16
+  int out_dtype;
+  int M, N, K;
+  int config;             // tile configuration, chosen by fp8linear/kernels/heuristics.py
+  int num_sms;
+};
+
+// Large-M persistent TMA + wgmma kernel. Returns "" on success, else the error.
+std::string launch_gemm(const GemmArgs& args, cudaStream_t stream);
+int gemm_num_configs();
+
+// Per-token, per-128-channel activation quantization:
+// x [M, K] (bf16/fp16/fp32) -> q [M, K] fp8, scale_t [num_kb, scale_ld] fp32.
+enum InDType : int { kInBF16 = 0, kInFP16 = 1, kInFP32 = 2, kInFP8 = 3 };
+std::string launch_quant(const void* x, int in_dtype, void* q, float* scale_t, int scale_ld,
+                         int M, int K, cudaStream_t stream);
+
+}  // namespace fp8l
+
+namespace fp8l {
+
+// Skinny decode GEMM: swap-AB (weights on wgmma's 64-row side, tokens on its narrow side),
+// split-K over the CTAs with a deterministic in-kernel reduction, activation quantization fused.
+struct DecodeArgs {
+  const void* x;          // [M, K] bf16/fp16 activations (quantized inside the kernel),
+  int x_dtype;            // kInBF16 / kInFP16, or kInFP8: already quantized,
+  const float* x_scale;   // with scales [M, num_kb] fp32
+  const void* w;          // [N, K] fp8
+  const float* w_scale;   // [ceil(N/128), num_kb] or [N, num_kb]
+  bool w_scale_per_row;
+  const void* bias;       // [N] in the output dtype, or nullptr
+  void* out;              // [M, N]
+  int out_dtype;
+  float* workspace;       // fp32 [splits * tiles * BT * 128] when splits > 1
+  int* counters;          // int32 [tiles], zero; the kernel leaves them zero again
+  int M, N, K;
+  int config;             // token tile BT = 8 << config (8..128)
+  int splits;             // K-splits (1 = no reduction)
+  bool pdl;               // programmatic dependent launch
+};
+std::string launch_decode(const DecodeArgs& args, cudaStream_t stream);
+int decode_token_tile(int config);
+// Shared memory the kernel needs for a problem (to check a config fits before launching).
+int decode_smem_bytes(int config, int kb_per_split, int per_row);
+
+}  // namespace fp8l

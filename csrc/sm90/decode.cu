@@ -1,0 +1,85 @@
+// Instantiations and launch of the decode kernel (decode_kernel.cuh).
+#include "common/tma.h"
+#include "sm90/api.h"
+#include "sm90/decode_kernel.cuh"
+
+namespace fp8l {
+namespace {
+
+constexpr int kSmemLimit = 232448;  // sm_90 opt-in dynamic shared memory per block
+constexpr int kMaxStages = 8;       // 8 x 16 KB of weights in flight per SM saturates HBM
+
+int pick_stages(int bt, int kbs, bool per_row) {
+  const int fixed = decode_layout(bt, kbs, 0, per_row).total + 1024;
+  int stages = (kSmemLimit - fixed) / (kDecodeWTile + 16);
+  stages = stages < kMaxStages ? stages : kMaxStages;
+  return stages < kbs ? stages : kbs;  // never deeper than the work
+}
+
+template <int BT, bool kPerRow, typename OutT>
+std::string launch(const DecodeArgs& d, cudaStream_t stream) {
+  const int num_kb = (d.K + kBlockK - 1) / kBlockK;
+  const int kbs = (num_kb + d.splits - 1) / d.splits;
+  const int stages = pick_stages(BT, kbs, kPerRow);
+  if (stages < 2)
+    return "decode config does not fit in shared memory (token tile " + std::to_string(BT) +
+           ", " + std::to_string(kbs) + " K blocks per split): use more splits";
+  const int smem = decode_layout(BT, kbs, stages, kPerRow).total + 1024;
+  CUtensorMap tw;
+  std::string e = make_tensor_map_2d(&tw, d.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, d.N, d.K, d.K,
+                                     kDecodeRows, kBlockK, CU_TENSOR_MAP_SWIZZLE_128B);
+  if (!e.empty()) return e;
+  auto kernel = fp8_decode_kernel<BT, kPerRow, OutT>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return cudaGetErrorString(err);
+  DecodeParams p{d.x,    d.x_dtype,     d.x_scale, d.w_scale, d.bias, d.out, d.workspace,
+                 d.counters, d.M, d.N, d.K, num_kb, d.splits, stages};
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((d.N + kDecodeRows - 1) / kDecodeRows, (d.M + BT - 1) / BT, d.splits);
+  cfg.blockDim = dim3(384);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = d.pdl ? 1 : 0;
+  err = cudaLaunchKernelEx(&cfg, kernel, tw, p);
+  return err == cudaSuccess ? std::string() : std::string(cudaGetErrorString(err));
+}
+
+template <int BT>
+std::string dispatch_types(const DecodeArgs& d, cudaStream_t stream) {
+  if (d.out_dtype == kOutBF16)
+    return d.w_scale_per_row ? launch<BT, true, __nv_bfloat16>(d, stream)
+                             : launch<BT, false, __nv_bfloat16>(d, stream);
+  return d.w_scale_per_row ? launch<BT, true, __half>(d, stream)
+                           : launch<BT, false, __half>(d, stream);
+}
+
+}  // namespace
+
+int decode_token_tile(int config) { return 8 << config; }
+
+int decode_smem_bytes(int config, int kb_per_split, int per_row) {
+  const int bt = decode_token_tile(config);
+  const int stages = pick_stages(bt, kb_per_split, per_row != 0);
+  return stages < 2 ? -1 : decode_layout(bt, kb_per_split, stages, per_row != 0).total + 1024;
+}
+
+std::string launch_decode(const DecodeArgs& d, cudaStream_t stream) {
+  if (d.M <= 0 || d.N <= 0 || d.K <= 0) return "empty problem";
+  if (d.K % 16 != 0 || d.N % 8 != 0) return "K must be a multiple of 16 and N of 8";
+  const int num_kb = (d.K + kBlockK - 1) / kBlockK;
+  if (d.splits < 1 || d.splits > num_kb) return "splits must be in [1, ceil(K/128)]";
+  switch (d.config) {
+    case 0: return dispatch_types<8>(d, stream);
+    case 1: return dispatch_types<16>(d, stream);
+    case 2: return dispatch_types<32>(d, stream);
+    case 3: return dispatch_types<64>(d, stream);
+    case 4: return dispatch_types<128>(d, stream);
+    default: return "unknown decode config " + std::to_string(d.config);
+  }
+}
+
+}  // namespace fp8l

@@ -1,0 +1,261 @@
+// Skinny (decode) block-scaled FP8 GEMM for sm_90a, bound by reading the weights once.
+//
+// Swap-AB: a CTA owns 128 weight rows (two math warpgroups x 64, wgmma's M side) and a tile
+// of BT tokens (wgmma's N side, 8..128), so no tensor-core work pads a handful of tokens up to
+// 64 rows. Split-K: blockIdx.z takes a contiguous range of 128-wide K blocks, so every SM
+// streams weights even when N is small.
+//   producer warp:   TMA of 128x128 weight tiles into a `stages`-deep ring (evict-first: read
+//                    once), started before griddepcontrol.wait so it overlaps the previous
+//                    kernel's tail under programmatic dependent launch;
+//   math warpgroups: quantize this CTA's activation slice (bf16 -> fp8 + per-token scales,
+//                    the numerics of fp8linear.quant.quantize_activation) into shared memory,
+//                    then per K block: 4 wgmmas, promotion with weight-row x token scales.
+// Reduction over splits is deterministic: every split writes its fp32 partial to a workspace;
+// the last CTA to arrive at the tile's counter sums the partials in split order.
+#pragma once
+#include <cstdint>
+#include <cuda.h>
+
+#include "common/ptx.cuh"
+#include "common/wgmma.cuh"
+#include "sm90/gemm_kernel.cuh"  // OutTraits, kBlockK
+#include "sm90/api.h"  // kIn* codes
+#include "sm90/quant.cuh"
+
+namespace fp8l {
+
+constexpr int kDecodeRows = 128;                   // weight rows per CTA
+constexpr int kDecodeWTile = kDecodeRows * kBlockK;  // bytes of one weight stage
+
+struct DecodeLayout {
+  int x, xs, ws, bar, flag, total;
+};
+// Shared-memory layout (bytes from a 1024-aligned base); host and device agree on it.
+__host__ __device__ inline DecodeLayout decode_layout(int bt, int kbs, int stages, bool per_row) {
+  DecodeLayout l;
+  l.x = stages * kDecodeWTile;           // weight ring first (1024-aligned tiles)
+  l.xs = l.x + kbs * bt * kBlockK;       // activation tiles: BT x 128 fp8 per K block
+  l.ws = l.xs + kbs * bt * 4;            // per-token scales [kbs][BT]
+  l.bar = l.ws + kbs * (per_row ? kDecodeRows : 1) * 4;
+  l.bar = (l.bar + 7) & ~7;
+  l.flag = l.bar + 2 * stages * 8;
+  l.total = l.flag + 16;
+  return l;
+}
+
+struct DecodeParams {
+  const void* x;
+  int x_dtype;           // kInBF16 / kInFP16, or kInFP8 (already quantized; scales in x_scale)
+  const float* x_scale;  // [M, num_kb] when x is fp8
+  const float* w_scale;
+  const void* bias;
+  void* out;
+  float* workspace;
+  int* counters;
+  int M, N, K, num_kb, splits, stages;
+};
+
+template <typename T>
+__device__ __forceinline__ void quantize_group(const DecodeParams& p, int m, int kb, uint8_t* dst,
+                                               float* scale_dst, int t, int lane) {
+  const int k0 = kb * kBlockK + lane * 4;
+  float v[4] = {0.f, 0.f, 0.f, 0.f};
+  if (m < p.M) load4(static_cast<const T*>(p.x) + size_t(m) * p.K + k0, k0, p.K, v);
+  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+  amax = warp_max(amax);
+  const float scale = fmaxf(amax, kAmaxEps) / kFp8Max;
+  const uint32_t packed = quantize4(v, scale);
+  // row t of a 128B-swizzled K-major tile: 16-byte chunk (lane / 4) lands at chunk ^ (t % 8)
+  *reinterpret_cast<uint32_t*>(dst + t * 128 + (((lane / 4) ^ (t % 8)) * 16) + (lane % 4) * 4) =
+      packed;
+  if (lane == 0) *scale_dst = scale;
+}
+
+// Pre-quantized activations (block_fp8_gemm): copy the fp8 group and its scale.
+__device__ __forceinline__ void copy_group(const DecodeParams& p, int m, int kb, uint8_t* dst,
+                                           float* scale_dst, int t, int lane) {
+  const int k0 = kb * kBlockK + lane * 4;
+  uint32_t packed = 0;
+  if (m < p.M && k0 < p.K)  // K % 16 == 0: a group of 4 is whole or absent
+    packed = *reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(p.x) +
+                                                size_t(m) * p.K + k0);
+  *reinterpret_cast<uint32_t*>(dst + t * 128 + (((lane / 4) ^ (t % 8)) * 16) + (lane % 4) * 4) =
+      packed;
+  if (lane == 0) *scale_dst = m < p.M ? p.x_scale[size_t(m) * p.num_kb + kb] : 0.f;
+}
+
+template <int BT, bool kPerRow, typename OutT>
+__global__ void __launch_bounds__(384, 1)
+    fp8_decode_kernel(const __grid_constant__ CUtensorMap tmap_w, const DecodeParams p) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                             ~uintptr_t(1023));
+  // this CTA's K range: splits as even as possible, the first `rem` one block longer
+  const int base = p.num_kb / p.splits, rem = p.num_kb % p.splits;
+  const int split = blockIdx.z;
+  const int kb0 = split * base + min(split, rem);
+  const int kbs = base + (split < rem ? 1 : 0);
+  const DecodeLayout L = decode_layout(BT, (p.num_kb + p.splits - 1) / p.splits, p.stages, kPerRow);
+  uint8_t* sW = smem;
+  uint8_t* sX = smem + L.x;
+  float* sXS = reinterpret_cast<float*>(smem + L.xs);
+  float* sWS = reinterpret_cast<float*>(smem + L.ws);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L.bar);
+  uint64_t* empty = full + p.stages;
+  int* flag = reinterpret_cast<int*>(smem + L.flag);
+
+  const int n0 = blockIdx.x * kDecodeRows;
+  const int m0 = blockIdx.y * BT;
+  const int wg = threadIdx.x / 128;
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < p.stages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 8);  // the 8 math warps
+    }
+    fence_barrier_init();
+    tma_prefetch_desc(&tmap_w);
+  }
+  __syncthreads();
+
+  if (wg == 2) {
+    // ------------------------------------------------------------------ producer warpgroup
+    reg_dealloc<40>();
+    if (warp == 8 && lane == 0) {
+      // Weights are not written by the previous kernel: stream them before griddepcontrol.wait.
+      const uint64_t once = l2_policy_evict_first();
+      for (int i = 0; i < kbs; ++i) {
+        const int s = i % p.stages;
+        mbar_wait(&empty[s], ((i / p.stages) & 1) ^ 1);
+        mbar_arrive_expect_tx(&full[s], kDecodeWTile);
+        tma_load_2d(sW + s * kDecodeWTile, &tmap_w, &full[s], (kb0 + i) * kBlockK, n0, once);
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------------ math warpgroups
+  reg_alloc<232>();
+  const int tid = threadIdx.x;  // 0..255
+  pdl_wait();                   // activations come from the previous kernel
+  // 1. quantize the activation slice [BT tokens x kbs blocks] into shared memory
+  for (int g = warp; g < BT * kbs; g += 8) {
+    const int t = g % BT, i = g / BT;
+    uint8_t* dst = sX + i * BT * kBlockK;
+    float* sdst = sXS + i * BT + t;
+    if (p.x_dtype == kInFP8)
+      copy_group(p, m0 + t, kb0 + i, dst, sdst, t, lane);
+    else if (p.x_dtype == kInFP16)
+      quantize_group<__half>(p, m0 + t, kb0 + i, dst, sdst, t, lane);
+    else
+      quantize_group<__nv_bfloat16>(p, m0 + t, kb0 + i, dst, sdst, t, lane);
+  }
+  // and the weight scales of this K range
+  if constexpr (kPerRow) {
+    for (int e = tid; e < kbs * kDecodeRows; e += 256) {
+      const int i = e / kDecodeRows, r = e % kDecodeRows;
+      sWS[e] = n0 + r < p.N ? __ldg(p.w_scale + size_t(n0 + r) * p.num_kb + kb0 + i) : 0.f;
+    }
+  } else {
+    for (int i = tid; i < kbs; i += 256)
+      sWS[i] = __ldg(p.w_scale + size_t(n0 / kDecodeRows) * p.num_kb + kb0 + i);
+  }
+  fence_proxy_async_smem();  // the fp8 tiles are read by wgmma (async proxy)
+  named_barrier(1, 256);
+  pdl_launch_dependents();   // the next kernel may start streaming its weights
+
+  // 2. main loop
+  using Mma = WgmmaFp8<BT>;
+  constexpr int kRegs = Mma::kRegs;
+  float acc[kRegs], part[kRegs];
+#pragma unroll
+  for (int i = 0; i < kRegs; ++i) acc[i] = 0.f;
+  const int r0 = (warp % 4) * 16 + lane / 4;  // accumulator rows r0, r0 + 8 (weight rows)
+  const int cq = 2 * (lane % 4);              // accumulator cols 8j + cq, +1 (tokens)
+  for (int i = 0; i < kbs; ++i) {
+    const int s = i % p.stages;
+    mbar_wait(&full[s], (i / p.stages) & 1);
+    const uint64_t da = make_smem_desc_sw128(sW + s * kDecodeWTile + wg * 64 * kBlockK);
+    const uint64_t db = make_smem_desc_sw128(sX + i * BT * kBlockK);
+#pragma unroll
+    for (int r = 0; r < kRegs; ++r) fence_operand(part[r]);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockK / 32; ++kk) Mma::mma(part, da + 2 * kk, db + 2 * kk, kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int r = 0; r < kRegs; ++r) fence_operand(part[r]);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[s]);
+    float w0, w1;
+    if constexpr (kPerRow) {
+      w0 = sWS[i * kDecodeRows + wg * 64 + r0];
+      w1 = sWS[i * kDecodeRows + wg * 64 + r0 + 8];
+    } else {
+      w0 = w1 = sWS[i];
+    }
+    const float* xs = sXS + i * BT;
+#pragma unroll
+    for (int j = 0; j < kRegs / 4; ++j) {
+      const float x0 = xs[8 * j + cq], x1 = xs[8 * j + cq + 1];
+      acc[4 * j + 0] = fmaf(part[4 * j + 0], w0 * x0, acc[4 * j + 0]);
+      acc[4 * j + 1] = fmaf(part[4 * j + 1], w0 * x1, acc[4 * j + 1]);
+      acc[4 * j + 2] = fmaf(part[4 * j + 2], w1 * x0, acc[4 * j + 2]);
+      acc[4 * j + 3] = fmaf(part[4 * j + 3], w1 * x1, acc[4 * j + 3]);
+    }
+  }
+
+  // 3. epilogue
+  OutT* out = static_cast<OutT*>(p.out);
+  const OutT* bias = static_cast<const OutT*>(p.bias);
+  if (p.splits == 1) {
+#pragma unroll
+    for (int j = 0; j < kRegs / 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int n = n0 + wg * 64 + r0 + (e >= 2 ? 8 : 0);
+        const int m = m0 + 8 * j + cq + (e & 1);
+        if (m < p.M && n < p.N) {
+          const float b = bias != nullptr ? to_f(bias[n]) : 0.f;
+          out[size_t(m) * p.N + n] = OutT(acc[4 * j + e] + b);
+        }
+      }
+    }
+    return;
+  }
+  const int tiles = gridDim.x * gridDim.y;
+  const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+  // partial tile [BT tokens][128 rows] of this split
+  float* mine = p.workspace + (size_t(split) * tiles + tile) * BT * kDecodeRows;
+#pragma unroll
+  for (int j = 0; j < kRegs / 4; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = wg * 64 + r0 + (e >= 2 ? 8 : 0);
+      const int c = 8 * j + cq + (e & 1);
+      mine[c * kDecodeRows + r] = acc[4 * j + e];
+    }
+  }
+  __threadfence();
+  named_barrier(1, 256);
+  if (tid == 0) *flag = atomicAdd(&p.counters[tile], 1) == p.splits - 1;
+  named_barrier(1, 256);
+  if (!*flag) return;
+  __threadfence();  // see the other splits' partials
+  for (int e = tid; e < BT * kDecodeRows; e += 256) {
+    const int c = e / kDecodeRows, r = e % kDecodeRows;
+    const int m = m0 + c, n = n0 + r;
+    if (m >= p.M || n >= p.N) continue;
+    float sum = 0.f;
+    for (int s = 0; s < p.splits; ++s)  // fixed order: bitwise deterministic
+      sum += __ldcg(p.workspace + (size_t(s) * tiles + tile) * BT * kDecodeRows + e);
+    if (bias != nullptr) sum += to_f(bias[n]);
+    out[size_t(m) * p.N + n] = OutT(sum);
+  }
+  if (tid == 0) p.counters[tile] = 0;  // ready for the next launch (and graph replay)
+}
+
+}  // namespace fp8l
