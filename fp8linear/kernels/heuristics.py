@@ -71,3 +71,37 @@ def sm90_shape_ok(n: int, k: int) -> bool:
     # TMA global strides must be multiples of 16 bytes: K one-byte fp8 values per A/W row,
     # N two-byte values per bf16/fp16 output row.
     return k % 16 == 0 and n % 8 == 0 and k > 0 and n > 0
+
+
+# --------------------------------------------------------------------------- sm90 plans
+SM90_DECODE_TILES = (8, 16, 32, 64, 128)  # token tile of decode config i = 8 << i
+SM90_DECODE_MAX_M = 64
+SM90_DECODE_ROWS = 128                     # weight rows per decode CTA
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=4096)
+def sm90_plan(m: int, n: int, k: int, num_sms: int):
+    """-> ("decode", config, splits) or ("gemm", config). Cached: shapes repeat every step."""
+    num_kb = _cdiv(k, 128)
+    if m <= SM90_DECODE_MAX_M:
+        # Decode is bound by reading the weights once. Swap-AB puts the tokens on wgmma's
+        # narrow side: the smallest token tile >= M wastes no tensor-core work on padding.
+        config = next(i for i, t in enumerate(SM90_DECODE_TILES) if t >= m)
+        tiles = _cdiv(n, SM90_DECODE_ROWS) * _cdiv(m, SM90_DECODE_TILES[config])
+        # Split K until every SM streams weights; the largest split count that still fits in
+        # one wave (tiles * splits <= SMs) avoids a second, mostly idle wave.
+        splits = max(1, min(num_kb, num_sms // tiles))
+        # The CTA keeps its whole quantized activation slice in shared memory (<= 64 KB).
+        max_kb = max(1, 65536 // (SM90_DECODE_TILES[config] * 128))
+        splits = max(splits, _cdiv(num_kb, max_kb))
+        return ("decode", config, min(splits, num_kb))
+    # Large M: 128x128 tiles (two math warpgroups) unless that leaves most SMs idle, where
+    # 64-row tiles double the CTA count.
+    tiles128 = _cdiv(m, 128) * _cdiv(n, 128)
+    if tiles128 < num_sms // 2:
+        return ("gemm", 1)
+    return ("gemm", 0)

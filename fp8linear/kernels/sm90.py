@@ -1,0 +1,120 @@
+"""The Hopper backend: our sm_90a CUDA kernels (csrc/sm90), built on first use.
+
+Two kernels sit behind the backend protocol, chosen by heuristics.sm90_plan:
+- decode (M <= 64): swap-AB, split-K, activation quantization fused into the launch;
+- large M: quantization kernel, then the persistent TMA/wgmma GEMM.
+Python here only reshapes metadata and allocates outputs/workspaces from the torch allocator
+(CUDA-graph safe); every check that matters ran in ops.py before we get here.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from . import build, heuristics
+from ..quant import BLOCK, cdiv
+
+name = "sm90"
+
+
+def available() -> bool:
+    return build.available()
+
+
+def check_shape(n: int, k: int) -> None:
+    if not heuristics.sm90_shape_ok(n, k):
+        raise ValueError(
+            f"the sm90 backend needs K % 16 == 0 and N % 8 == 0 (TMA needs 16-byte row "
+            f"strides); got N={n}, K={k}. Unset FP8LINEAR_BACKEND to use the Triton path.")
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+_counters: dict[int, torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    # Zeroed once; the kernel's last CTA per tile resets its counter, so they stay zero
+    # between launches (and across CUDA-graph replays) without a memset per call.
+    idx = device.index
+    c = _counters.get(idx)
+    if c is None or c.numel() < tiles:
+        c = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _counters[idx] = c
+    return c
+
+
+def _pdl() -> bool:
+    # Programmatic dependent launch lets the weight stream start during the previous kernel's
+    # tail. FP8LINEAR_PDL=0 turns it off (e.g. to rule it out when debugging).
+    return os.environ.get("FP8LINEAR_PDL", "1") != "0"
+
+
+def _bias(bias, out):
+    if bias is not None and bias.dtype != out.dtype:
+        bias = bias.to(out.dtype)
+    return bias
+
+
+def _fallback():
+    from . import triton_gemm
+    return triton_gemm
+
+
+def _decode(x, x_scale, w, w_scale, bias, out, config, splits):
+    m, n = out.shape
+    per_row = w_scale.shape[0] == n and n != cdiv(n, BLOCK)
+    tiles = cdiv(n, heuristics.SM90_DECODE_ROWS) * cdiv(m, heuristics.SM90_DECODE_TILES[config])
+    if splits > 1:
+        ws = torch.empty(splits * tiles * heuristics.SM90_DECODE_TILES[config]
+                         * heuristics.SM90_DECODE_ROWS, dtype=torch.float32, device=x.device)
+    else:
+        ws = torch.empty(0, dtype=torch.float32, device=x.device)
+    build.load().decode(x, x_scale, w, w_scale, per_row, _bias(bias, out), out, ws,
+                        _tile_counters(x.device, tiles), config, splits, _pdl())
+
+
+def _gemm(a, a_scale_t, w, w_scale, bias, out, config):
+    n = w.shape[0]
+    per_row = w_scale.shape[0] == n and n != cdiv(n, BLOCK)
+    build.load().gemm(a, a_scale_t, w, w_scale, per_row, _bias(bias, out), out, config)
+
+
+def _scale_t(a_scale, m):
+    # The GEMM's TMA reads per-K-block token scales: [Kb, M rounded up to 4] (16-byte rows).
+    ld = cdiv(m, 4) * 4
+    t = torch.empty(a_scale.shape[1], ld, dtype=torch.float32, device=a_scale.device)
+    t[:, :m].copy_(a_scale.t())
+    return t
+
+
+def gemm(a, a_scale, w, w_scale, bias, out):
+    if out.dtype == torch.float32:  # the CUDA epilogue writes 16-bit outputs only
+        return _fallback().gemm(a, a_scale, w, w_scale, bias, out)
+    m, k = a.shape
+    n = w.shape[0]
+    plan = heuristics.sm90_plan(m, n, k, _num_sms(a.device.index))
+    if plan[0] == "decode":
+        _decode(a, a_scale, w, w_scale, bias, out, plan[1], plan[2])
+    else:
+        _gemm(a, _scale_t(a_scale, m), w, w_scale, bias, out, plan[1])
+
+
+def linear(x, w, w_scale, bias, out):
+    if out.dtype == torch.float32:
+        return _fallback().linear(x, w, w_scale, bias, out)
+    m, k = x.shape
+    n = w.shape[0]
+    plan = heuristics.sm90_plan(m, n, k, _num_sms(x.device.index))
+    if plan[0] == "decode":
+        _decode(x, None, w, w_scale, bias, out, plan[1], plan[2])
+        return
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale_t = torch.empty(cdiv(k, BLOCK), cdiv(m, 4) * 4, dtype=torch.float32, device=x.device)
+    build.load().quant(x, q, scale_t)
+    _gemm(q, scale_t, w, w_scale, bias, out, plan[1])
