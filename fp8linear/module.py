@@ -49,13 +49,24 @@ class FP8Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear, ue8m0: bool = False) -> "FP8Linear":
         w = linear.weight.detach()
         mod = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                  device=w.device, dtype=w.dtype if w.dtype != torch.float32 else None)
+                  device=w.device, dtype=w.dtype)
         q, s = quantize_weight(w, ue8m0=ue8m0)
         mod.weight.data = q
         mod.weight_scale_inv.data = s
         if linear.bias is not None:
             mod.bias.data = linear.bias.detach().to(mod.bias.dtype).clone()
         return mod
+
+    def _apply(self, fn, recurse=True):
+        # torch counts float8 as floating point, so model.to(dtype) / .half() would cast the
+        # fp8 weight and round its fp32 scales: keep both dtypes, follow only device moves.
+        kept = {"weight": self.weight.data, "weight_scale_inv": self.weight_scale_inv.data}
+        super()._apply(fn, recurse)
+        for name, old in kept.items():
+            p = getattr(self, name)
+            if p.dtype != old.dtype:
+                p.data = old.to(device=p.device)
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias)
