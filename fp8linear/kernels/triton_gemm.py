@@ -1,0 +1,360 @@
+"""The portable Triton backend: every GPU that is not Hopper-with-our-CUDA-kernels.
+
+Two modes, one kernel (``_gemm_kernel``, specialised by constexpr flags):
+
+* native (sm_89 Ada, sm_90, sm_100+, ROCm gfx950): fp8 x fp8 ``tl.dot`` per 128-wide K block,
+  each block's fp32 product times a_scale[m, kb] * w_scale[n, kb] added to an fp32 total
+  (DeepSeek-V3 "promotion"; it also bounds Hopper's reduced-precision fp8 accumulation to
+  128 products).
+* weight_only (sm_80/86 Ampere, and any GPU with FP8LINEAR_TRITON_MODE=weight_only): the
+  fp8 weight bytes are decoded to fp16 with integer ops in the kernel (Triton rejects the
+  e4m3fn type below sm_89, so weights travel as uint8) and multiplied with the bf16/fp16
+  activations on the ordinary tensor cores, fp32 accumulation, the block scale applied per
+  128-wide K block as in the native mode. The decoded value is exact, so the result equals
+  ``x @ dequantize_weight(w).T`` up to fp32 summation order, and is in fact closer to the
+  exact product than rounding dequantized weights to bf16 first would be.
+
+Split-K (small M, few output tiles): each split writes an fp32 partial tile to a workspace
+from the torch allocator, a second kernel adds the splits in a fixed order, adds the bias
+and casts. No float atomics: results are bitwise reproducible, and the workspace comes from
+the caching allocator, so CUDA-graph capture works (the graph's private pool owns it).
+
+Portability: no inline PTX, no CUDA-only intrinsics; ROCm is untested (MI300's native fp8
+is e4m3fnuz, so there the weight-only mode is the default; see ``_default_mode``).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..quant import AMAX_EPS, BLOCK, FP8_MAX, cdiv
+from . import triton_quant
+from .triton_quant import quant_group
+
+name = "triton"
+
+MODES = ("native", "weight_only")
+_MODE_ENV = "FP8LINEAR_TRITON_MODE"
+
+# A operand kinds (constexpr A_KIND)
+A_FP8 = 0        # pre-quantized fp8 activations, native fp8 dot
+A_FP8_BITS = 1   # pre-quantized fp8 activations as uint8, decoded to fp16 (weight-only gemm())
+A_FLOAT = 2      # bf16/fp16/fp32 activations used as they are (weight-only linear())
+A_QUANT = 3      # bf16/fp16/fp32 activations quantized to fp8 inside the GEMM (small M)
+
+# Decoding e4m3fn bits into fp16 bits by shifting gives value / 2**8 (bias 15 vs 7), exactly,
+# subnormals included; the factor goes back in through the scale.
+_DECODE_UNSCALE = 256.0
+
+# linear() quantizes the activations inside the GEMM up to this M (see _plan for why).
+FUSE_QUANT_MAX_M = 32
+
+
+# ----------------------------------------------------------------------------- kernels
+@triton.jit
+def _fp8_bits_to_f16(b):
+    """uint8 e4m3fn bit patterns -> fp16 holding value / 256 (exact; NaN stays NaN)."""
+    h = b.to(tl.uint16)
+    h = ((h & 0x80) << 8) | ((h & 0x7F) << 7)
+    return h.to(tl.float16, bitcast=True)
+
+
+# M changes with every batch: not specialising on it avoids a recompile per M class
+@triton.jit(do_not_specialize=["M", "KB_PER_SPLIT"])
+def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, c_ptr, part_ptr,
+                 M, N, K, KB, KB_PER_SPLIT,
+                 A_KIND: tl.constexpr, W_BITS: tl.constexpr, SCALE_ROWS: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
+                 DOT_PREC: tl.constexpr, UNSCALE: tl.constexpr,
+                 FP8_MAX_C: tl.constexpr, EPS: tl.constexpr):
+    BK: tl.constexpr = 128
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    # Grouped tile order: GROUP_M row-tiles walk N together so their weight tiles are
+    # re-read from L2 rather than HBM (matters only when M spans several tiles).
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    # Rows past M / N wrap onto valid rows, so A/W loads need no M/N masks (keeps them
+    # vectorised); those rows are never stored.
+    am = (rm % M).to(tl.int64)
+    wn = (rn % N).to(tl.int64)
+    rk = tl.arange(0, BK)
+    a_rows = a_ptr + am[:, None] * K            # [BM, 1]
+    w_cols = w_ptr + wn[None, :] * K            # [1, BN]; tile is [BK, BN], K contiguous
+    as_rows = as_ptr + am * KB
+    if SCALE_ROWS == 1:
+        ws_rows = ws_ptr + wn * KB              # per-row weight scales: one per output row
+    else:
+        # 128x128 blocks, BN divides 128: the whole tile shares one scale row
+        ws_row = ws_ptr + ((pid_n * BN) // 128) * KB
+
+    kb_lo = pid_k * KB_PER_SPLIT
+    kb_hi = tl.minimum(kb_lo + KB_PER_SPLIT, KB)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kb in range(kb_lo, kb_hi):
+        k = kb * BK + rk
+        if EVEN_K:
+            a = tl.load(a_rows + k[None, :])
+            w = tl.load(w_cols + k[:, None])
+        else:
+            a = tl.load(a_rows + k[None, :], mask=k[None, :] < K, other=0.0)
+            w = tl.load(w_cols + k[:, None], mask=k[:, None] < K, other=0.0)
+
+        if A_KIND == 0:      # fp8 activations, native fp8 dot
+            sa = tl.load(as_rows + kb)
+        elif A_KIND == 1:    # fp8 activation bits -> fp16 (weight-only gemm)
+            a = _fp8_bits_to_f16(a)
+            sa = tl.load(as_rows + kb) * UNSCALE
+        elif A_KIND == 3:    # quantize here, same numerics as triton_quant / quant.py
+            a, sa = quant_group(a.to(tl.float32), FP8_MAX_C, EPS)
+
+        if W_BITS:
+            w = _fp8_bits_to_f16(w)
+            if A_KIND == 2:
+                w = w.to(a.dtype)   # exact: these values fit bf16 and fp32 too
+        if SCALE_ROWS == 1:
+            sw = tl.load(ws_rows + kb)
+        else:
+            sw = tl.load(ws_row + kb)
+        if W_BITS:
+            sw = sw * UNSCALE
+
+        d = tl.dot(a, w, input_precision=DOT_PREC)
+        if A_KIND == 2:
+            if SCALE_ROWS == 1:
+                acc += d * sw[None, :]
+            else:
+                acc += d * sw
+        else:
+            if SCALE_ROWS == 1:
+                acc += (d * sa[:, None]) * sw[None, :]
+            else:
+                acc += d * (sa * sw)[:, None]
+
+    cm = pid_m * BM + tl.arange(0, BM)
+    cn = pid_n * BN + tl.arange(0, BN)
+    mask = (cm[:, None] < M) & (cn[None, :] < N)
+    offs = cm.to(tl.int64)[:, None] * N + cn[None, :]
+    if SPLIT:
+        tl.store(part_ptr + pid_k.to(tl.int64) * M * N + offs, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cn, mask=cn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["MN", "NSPLIT"])
+def _splitk_reduce_kernel(part_ptr, bias_ptr, c_ptr, MN, N, NSPLIT,
+                          HAS_BIAS: tl.constexpr, BLOCK_E: tl.constexpr):
+    # Splits are added in index order 0, 1, 2, ...: the same bits on every run.
+    offs = tl.program_id(0).to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
+    mask = offs < MN
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for s in range(1, NSPLIT):
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------------ plans
+class Config(NamedTuple):
+    bm: int
+    bn: int
+    warps: int
+    stages: int
+    split: int = 1          # requested split-K; _plan makes every split non-empty
+    group_m: int = 8
+
+
+class _Plan(NamedTuple):
+    cfg: Config
+    grid: tuple
+    split: int
+    kb_per_split: int
+
+
+class _Device(NamedTuple):
+    sms: int
+    smem: int          # bytes of shared memory one program may use
+    hip: bool
+    capability: tuple
+
+
+@functools.lru_cache(maxsize=None)
+def _device_info(dev_type: str, index: int) -> _Device:
+    if dev_type != "cuda":
+        # TRITON_INTERPRET=1 on CPU tensors (tests): plan as for an H100
+        return _Device(132, 227 * 1024, False, (9, 0))
+    p = torch.cuda.get_device_properties(index)
+    smem = getattr(p, "shared_memory_per_block_optin", 0) or 48 * 1024
+    hip = torch.version.hip is not None
+    cap = torch.cuda.get_device_capability(index)
+    return _Device(p.multi_processor_count, smem, hip, cap)
+
+
+@functools.lru_cache(maxsize=None)
+def _default_mode(index: int) -> str:
+    if torch.version.hip is not None:
+        # Only gfx950 (MI350) has OCP e4m3fn tensor-core fp8; MI300 (gfx942) computes in
+        # e4m3fnuz, a different encoding. Decoding weights in the kernel is correct everywhere.
+        arch = getattr(torch.cuda.get_device_properties(index), "gcnArchName", "")
+        return "native" if arch.startswith("gfx95") else "weight_only"
+    # fp8 tensor cores (and Triton's e4m3fn type) start at sm_89
+    return "native" if torch.cuda.get_device_capability(index) >= (8, 9) else "weight_only"
+
+
+def mode(device: torch.device) -> str:
+    """The mode this device runs: FP8LINEAR_TRITON_MODE=native|weight_only, or by capability."""
+    v = os.environ.get(_MODE_ENV)
+    if v:
+        if v not in MODES:
+            raise ValueError(f"{_MODE_ENV}={v!r}: expected one of {', '.join(MODES)}")
+        return v
+    if device.type != "cuda":
+        return "native"
+    return _default_mode(device.index or 0)
+
+
+def choose_config(m: int, n: int, k: int, a_bytes: int, weight_only: bool,
+                  dev: _Device) -> Config:
+    """The tile rules: a handful of fixed configurations; no run-time autotuning."""
+    if m <= 16:
+        # Decode: reading the weight is the whole cost. Narrow tiles make many programs
+        # (N/64) each streaming a 64x128 weight tile per step with deep pipelining.
+        cfg = Config(16, 64, 4, 6)
+    elif m <= 32:
+        cfg = Config(32, 64, 4, 6)
+    elif m <= 64:
+        cfg = Config(64, 64, 4, 5)
+    elif m <= 128:
+        # Still mostly weight-bound: 64x128 with one warpgroup keeps the fp32 total plus
+        # the per-block product at 128 registers a thread.
+        cfg = Config(64, 128, 4, 4)
+    else:
+        # Compute-bound: 128x128 with 8 warps. Wider tiles (128x256) would need ~256
+        # registers a thread for the total plus the per-block product the promotion needs.
+        cfg = Config(128, 128, 8, 4)
+
+    if cfg.bn == 128 and cdiv(m, cfg.bm) * cdiv(n, 128) < dev.sms:
+        # Too few tiles to fill the GPU: halve the tile width before resorting to split-K,
+        # which costs a workspace round trip.
+        cfg = cfg._replace(bn=64)
+
+    # Stages: as many as the shared memory holds (Ada / Ampere-86 have ~100 KB, H100 227 KB).
+    stage = cfg.bm * 128 * a_bytes + 128 * cfg.bn * 1
+    extra = 0
+    if weight_only:     # the decoded fp16 tiles the dot reads
+        extra = 128 * cfg.bn * 2 + (cfg.bm * 128 * 2 if a_bytes == 1 else 0)
+    fit = (dev.smem - extra - 4096) // stage
+    cfg = cfg._replace(stages=max(2, min(cfg.stages, fit)))
+    if weight_only and cfg.bm == 128 and fit < 2:
+        cfg = cfg._replace(bm=64, warps=4)
+
+    # Split-K: when the output tiles cannot fill the SMs, split K so that about two waves of
+    # programs run (memory latency is hidden by having several in flight per SM), keeping
+    # >= 4 K-blocks per split (enough for the pipeline to reach steady state) and the fp32
+    # workspace traffic (2 x split x M x N x 4 bytes) under a quarter of the weight bytes.
+    tiles = cdiv(m, cfg.bm) * cdiv(n, cfg.bn)
+    kb = cdiv(k, BLOCK)
+    split = 1
+    if tiles < dev.sms and kb >= 8:
+        split = min(cdiv(2 * dev.sms, tiles), kb // 4, 16, max(1, k // (32 * m)))
+    return cfg._replace(split=max(1, split))
+
+
+@functools.lru_cache(maxsize=16384)
+def _plan(dev_type: str, index: int, m: int, n: int, k: int, a_bytes: int,
+          weight_only: bool, forced: Optional[Config] = None) -> _Plan:
+    cfg = forced or choose_config(m, n, k, a_bytes, weight_only, _device_info(dev_type, index))
+    kb = cdiv(k, BLOCK)
+    per = cdiv(kb, max(1, min(cfg.split, kb)))
+    split = cdiv(kb, per)          # every split gets >= 1 K-block
+    tiles = cdiv(m, cfg.bm) * cdiv(n, cfg.bn)
+    return _Plan(cfg, (tiles, split), split, per)
+
+
+def _dot_precision(dev_type: str, index: int) -> str:
+    # Only matters for fp32 activations in weight-only mode: 3xTF32 on NVIDIA keeps ~fp32
+    # accuracy (plain TF32 would truncate x to 10 bits); AMD's fp32 MFMA is exact ("ieee").
+    return "ieee" if _device_info(dev_type, index).hip else "tf32x3"
+
+
+# --------------------------------------------------------------------------- launches
+def _launch(a, a_scale, w, w_scale, bias, out, a_kind: int, w_bits: bool,
+            forced: Optional[Config] = None) -> None:
+    m, k = a.shape
+    n = w.shape[0]
+    if m == 0 or n == 0:
+        return
+    if k == 0:
+        # empty reduction: the product is zero
+        if bias is None:
+            out.zero_()
+        else:
+            out.copy_(bias.to(torch.float32).expand(m, n))
+        return
+    dev = a.device
+    index = dev.index if dev.index is not None else 0
+    plan = _plan(dev.type, index, m, n, k, a.element_size(), w_bits, forced)
+    cfg = plan.cfg
+    kb = cdiv(k, BLOCK)
+    split = plan.split > 1
+    part = (torch.empty((plan.split, m, n), dtype=torch.float32, device=dev) if split
+            else out)
+    _gemm_kernel[plan.grid](
+        a, a_scale if a_scale is not None else out, w, w_scale,
+        bias if bias is not None else out, out, part,
+        m, n, k, kb, plan.kb_per_split,
+        A_KIND=a_kind, W_BITS=w_bits, SCALE_ROWS=(1 if w_scale.shape[0] == n else 128),
+        HAS_BIAS=bias is not None, SPLIT=split, EVEN_K=(k % BLOCK == 0),
+        BM=cfg.bm, BN=cfg.bn, GROUP_M=cfg.group_m,
+        DOT_PREC=_dot_precision(dev.type, index), UNSCALE=_DECODE_UNSCALE,
+        FP8_MAX_C=FP8_MAX, EPS=AMAX_EPS,
+        num_warps=cfg.warps, num_stages=cfg.stages)
+    if split:
+        mn = m * n
+        _splitk_reduce_kernel[(cdiv(mn, 1024),)](
+            part, bias if bias is not None else out, out, mn, n, plan.split,
+            HAS_BIAS=bias is not None, BLOCK_E=1024, num_warps=4)
+
+
+def gemm(a, a_scale, w, w_scale, bias, out, config: Optional[Config] = None) -> None:
+    """out[M,N] = blockwise-scaled fp8 GEMM of pre-quantized a (fp8 [M,K]) and w (fp8 [N,K]).
+
+    ``config`` overrides the tile rules (tests, benchmarks); leave it None in serving code.
+    """
+    if mode(a.device) == "weight_only":
+        # no fp8 tensor cores assumed: both operands are decoded to fp16 in the kernel
+        _launch(a.view(torch.uint8), a_scale, w.view(torch.uint8), w_scale, bias, out,
+                A_FP8_BITS, True, config)
+    else:
+        _launch(a, a_scale, w, w_scale, bias, out, A_FP8, False, config)
+
+
+def linear(x, w, w_scale, bias, out, config: Optional[Config] = None) -> None:
+    """out[M,N] = x @ dequant(w)^T + bias; x bf16/fp16/fp32 [M,K] contiguous."""
+    m = x.shape[0]
+    if mode(x.device) == "weight_only":
+        _launch(x, None, w.view(torch.uint8), w_scale, bias, out, A_FLOAT, True, config)
+    elif m <= FUSE_QUANT_MAX_M:
+        # Small M: each program quantizes its own BM x 128 activation slice (one launch
+        # instead of two; re-reading x from L2 per N tile is cheap at this M).
+        _launch(x, None, w, w_scale, bias, out, A_QUANT, False, config)
+    else:
+        q, s = triton_quant.quantize_activation(x)
+        _launch(q, s, w, w_scale, bias, out, A_FP8, False, config)
