@@ -129,10 +129,33 @@ def timing(n, k, ms, copies_mb=512):
     return rows
 
 
+def quant_diag(ext):
+    """Our quant kernel vs torch's quantize_activation, byte for byte."""
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        m, k = 64, 4096
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        q = torch.empty(m, k, device="cuda", dtype=torch.float8_e4m3fn)
+        st = torch.empty(k // 128, m, device="cuda")
+        ext.quant(x, q, st)
+        tq, ts = fp8linear.quantize_activation(x)
+        cq, cs = fp8linear.quantize_activation(x.cpu())
+        qb, tb, cb = (t.view(torch.uint8) for t in (q, tq, cq.cuda()))
+        bad = (qb != tb).nonzero()
+        print(f"quant {dtype}: scales equal torch-gpu {torch.equal(st.t(), ts)} torch-cpu "
+              f"{torch.equal(st.t(), cs.cuda())}; bytes != torch-gpu {(qb != tb).sum().item()}, "
+              f"!= torch-cpu {(qb != cb).sum().item()}, torch gpu != cpu {(tb != cb).sum().item()}",
+              flush=True)
+        for r, c in bad[:4].tolist():
+            xv = x[r, c].float().item()
+            sc = ts[r, c // 128].item()
+            print(f"   x={xv!r} scale={sc!r} x/scale={xv / sc!r} ours={q[r, c].float().item()} "
+                  f"torch={tq[r, c].float().item()} cpu={cq[r, c].float().item()}", flush=True)
+
+
 def main():
     torch.manual_seed(0)
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
-    build_ext()
+    quant_diag(build_ext())
     fails = 0
     cases = []
     for (n, k) in [(256, 256), (4096, 4096), (2112, 7168), (1000, 1040), (136, 272), (24576, 1536)]:

@@ -21,7 +21,7 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
   const int num_kb = (d.K + kBlockK - 1) / kBlockK;
   const int kbs = (num_kb + d.splits - 1) / d.splits;
   const int stages = pick_stages(BT, kbs, kPerRow);
-  if (stages < 2)
+  if (stages < 1 || decode_layout(BT, kbs, stages, kPerRow).total + 1024 > kSmemLimit)
     return "decode config does not fit in shared memory (token tile " + std::to_string(BT) +
            ", " + std::to_string(kbs) + " K blocks per split): use more splits";
   const int smem = decode_layout(BT, kbs, stages, kPerRow).total + 1024;
@@ -64,7 +64,7 @@ int decode_token_tile(int config) { return 8 << config; }
 int decode_smem_bytes(int config, int kb_per_split, int per_row) {
   const int bt = decode_token_tile(config);
   const int stages = pick_stages(bt, kb_per_split, per_row != 0);
-  return stages < 2 ? -1 : decode_layout(bt, kb_per_split, stages, per_row != 0).total + 1024;
+  return stages < 1 ? -1 : decode_layout(bt, kb_per_split, stages, per_row != 0).total + 1024;
 }
 
 std::string launch_decode(const DecodeArgs& d, cudaStream_t stream) {

@@ -55,33 +55,62 @@ struct DecodeParams {
   int M, N, K, num_kb, splits, stages;
 };
 
+// Fill the CTA's activation tiles: [kbs K blocks][BT tokens] groups of 128 channels, each
+// written as one row of a 128B-swizzled K-major tile (16-byte chunk c of row t lands at chunk
+// c ^ (t % 8)) plus its scale. A warp keeps kBatch groups' loads in flight before it uses any:
+// the slice comes from L2, and one round trip per group would serialise the prologue.
+// T = bf16/half: quantize (numerics of fp8linear.quant.quantize_activation);
+// T = uint8_t: already fp8 (block_fp8_gemm), copy the bytes and the given scales.
 template <typename T>
-__device__ __forceinline__ void quantize_group(const DecodeParams& p, int m, int kb, uint8_t* dst,
-                                               float* scale_dst, int t, int lane) {
-  const int k0 = kb * kBlockK + lane * 4;
-  float v[4] = {0.f, 0.f, 0.f, 0.f};
-  if (m < p.M) load4(static_cast<const T*>(p.x) + size_t(m) * p.K + k0, k0, p.K, v);
-  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-  amax = warp_max(amax);
-  const float scale = fmaxf(amax, kAmaxEps) / kFp8Max;
-  const uint32_t packed = quantize4(v, scale);
-  // row t of a 128B-swizzled K-major tile: 16-byte chunk (lane / 4) lands at chunk ^ (t % 8)
-  *reinterpret_cast<uint32_t*>(dst + t * 128 + (((lane / 4) ^ (t % 8)) * 16) + (lane % 4) * 4) =
-      packed;
-  if (lane == 0) *scale_dst = scale;
-}
-
-// Pre-quantized activations (block_fp8_gemm): copy the fp8 group and its scale.
-__device__ __forceinline__ void copy_group(const DecodeParams& p, int m, int kb, uint8_t* dst,
-                                           float* scale_dst, int t, int lane) {
-  const int k0 = kb * kBlockK + lane * 4;
-  uint32_t packed = 0;
-  if (m < p.M && k0 < p.K)  // K % 16 == 0: a group of 4 is whole or absent
-    packed = *reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(p.x) +
-                                                size_t(m) * p.K + k0);
-  *reinterpret_cast<uint32_t*>(dst + t * 128 + (((lane / 4) ^ (t % 8)) * 16) + (lane % 4) * 4) =
-      packed;
-  if (lane == 0) *scale_dst = m < p.M ? p.x_scale[size_t(m) * p.num_kb + kb] : 0.f;
+__device__ __forceinline__ void fill_activation_tiles(const DecodeParams& p, int bt, int m0,
+                                                      int kb0, int kbs, uint8_t* sX,
+                                                      float* sXS, int warp, int lane) {
+  constexpr int kBatch = 8;
+  constexpr int kWarps = 8;
+  const int groups = bt * kbs;
+  for (int g0 = warp; g0 < groups; g0 += kWarps * kBatch) {
+    float v[kBatch][4];
+    uint32_t raw[kBatch];
+    float given_scale[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int g = g0 + kWarps * b;
+      const int t = g % bt, kb = kb0 + g / bt, m = m0 + t;
+      const int k0 = kb * kBlockK + lane * 4;
+      const bool live = g < groups && m < p.M;
+      if constexpr (sizeof(T) == 1) {
+        // K % 16 == 0: a lane's 4 bytes are whole or absent
+        raw[b] = live && k0 < p.K ? *reinterpret_cast<const uint32_t*>(
+                                        static_cast<const uint8_t*>(p.x) + size_t(m) * p.K + k0)
+                                  : 0u;
+        given_scale[b] = live ? p.x_scale[size_t(m) * p.num_kb + kb] : 0.f;
+      } else {
+        v[b][0] = v[b][1] = v[b][2] = v[b][3] = 0.f;
+        if (live) load4(static_cast<const T*>(p.x) + size_t(m) * p.K + k0, k0, p.K, v[b]);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int g = g0 + kWarps * b;
+      if (g >= groups) break;
+      const int t = g % bt, i = g / bt;
+      uint32_t packed;
+      float scale;
+      if constexpr (sizeof(T) == 1) {
+        packed = raw[b];
+        scale = given_scale[b];
+      } else {
+        float amax = fmaxf(fmaxf(fabsf(v[b][0]), fabsf(v[b][1])),
+                           fmaxf(fabsf(v[b][2]), fabsf(v[b][3])));
+        amax = warp_max(amax);
+        scale = fmaxf(amax, kAmaxEps) / kFp8Max;
+        packed = quantize4(v[b], scale);
+      }
+      uint8_t* row = sX + (i * bt + t) * kBlockK;
+      *reinterpret_cast<uint32_t*>(row + (((lane / 4) ^ (t % 8)) * 16) + (lane % 4) * 4) = packed;
+      if (lane == 0) sXS[i * bt + t] = scale;
+    }
+  }
 }
 
 template <int BT, bool kPerRow, typename OutT>
@@ -141,17 +170,12 @@ __global__ void __launch_bounds__(384, 1)
   const int tid = threadIdx.x;  // 0..255
   pdl_wait();                   // activations come from the previous kernel
   // 1. quantize the activation slice [BT tokens x kbs blocks] into shared memory
-  for (int g = warp; g < BT * kbs; g += 8) {
-    const int t = g % BT, i = g / BT;
-    uint8_t* dst = sX + i * BT * kBlockK;
-    float* sdst = sXS + i * BT + t;
-    if (p.x_dtype == kInFP8)
-      copy_group(p, m0 + t, kb0 + i, dst, sdst, t, lane);
-    else if (p.x_dtype == kInFP16)
-      quantize_group<__half>(p, m0 + t, kb0 + i, dst, sdst, t, lane);
-    else
-      quantize_group<__nv_bfloat16>(p, m0 + t, kb0 + i, dst, sdst, t, lane);
-  }
+  if (p.x_dtype == kInFP8)
+    fill_activation_tiles<uint8_t>(p, BT, m0, kb0, kbs, sX, sXS, warp, lane);
+  else if (p.x_dtype == kInFP16)
+    fill_activation_tiles<__half>(p, BT, m0, kb0, kbs, sX, sXS, warp, lane);
+  else
+    fill_activation_tiles<__nv_bfloat16>(p, BT, m0, kb0, kbs, sX, sXS, warp, lane);
   // and the weight scales of this K range
   if constexpr (kPerRow) {
     for (int e = tid; e < kbs * kDecodeRows; e += 256) {
@@ -220,7 +244,7 @@ __global__ void __launch_bounds__(384, 1)
         const int m = m0 + 8 * j + cq + (e & 1);
         if (m < p.M && n < p.N) {
           const float b = bias != nullptr ? to_f(bias[n]) : 0.f;
-          out[size_t(m) * p.N + n] = OutT(acc[4 * j + e] + b);
+          out[size_t(m) * p.N + n] = OutTraits<OutT>::from(acc[4 * j + e] + b);
         }
       }
     }
@@ -253,7 +277,7 @@ __global__ void __launch_bounds__(384, 1)
     for (int s = 0; s < p.splits; ++s)  // fixed order: bitwise deterministic
       sum += __ldcg(p.workspace + (size_t(s) * tiles + tile) * BT * kDecodeRows + e);
     if (bias != nullptr) sum += to_f(bias[n]);
-    out[size_t(m) * p.N + n] = OutT(sum);
+    out[size_t(m) * p.N + n] = OutTraits<OutT>::from(sum);
   }
   if (tid == 0) p.counters[tile] = 0;  // ready for the next launch (and graph replay)
 }

@@ -26,6 +26,7 @@ template <typename T>
 struct OutTraits;
 template <>
 struct OutTraits<__nv_bfloat16> {
+  __device__ static __nv_bfloat16 from(float a) { return __float2bfloat16_rn(a); }
   __device__ static uint32_t pack(float a, float b) {
     __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
     return *reinterpret_cast<uint32_t*>(&v);
@@ -36,6 +37,7 @@ struct OutTraits<__nv_bfloat16> {
 };
 template <>
 struct OutTraits<__half> {
+  __device__ static __half from(float a) { return __float2half_rn(a); }
   __device__ static uint32_t pack(float a, float b) {
     __half2 v = __floats2half2_rn(a, b);
     return *reinterpret_cast<uint32_t*>(&v);
