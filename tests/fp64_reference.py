@@ -84,7 +84,7 @@ def gemm(a_fp8, a_scale, w_fp8, w_scale, bias=None) -> torch.Tensor:
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Relative Frobenius error ||out - ref|| / ||ref|| in fp64."""
-    out, ref = out.double(), ref.double()
+    out, ref = out.detach().double(), ref.detach().double()
     return float(torch.linalg.norm(out - ref) / torch.linalg.norm(ref))
 
 
