@@ -460,9 +460,12 @@ def tensor_role(name: str, shape, dtype: str, config: Optional[dict] = None,
         return False, f"output head{tied}"
     if any("norm" in p or p.startswith("ln") for p in lowered):
         return False, "normalization"
+    # Heads and embeddings live outside the repeated blocks: a vocabulary-sized matrix with
+    # no layer index in its name is one of them (an MLP whose width happens to equal the
+    # vocabulary, inside layer i, is not).
     vocab = _text_config_value(config, "vocab_size")
-    if vocab and int(shape[0]) == int(vocab):
-        return False, "vocabulary-sized matrix (embedding or output head)"
+    if vocab and int(shape[0]) == int(vocab) and not any(p.isdigit() for p in module_parts):
+        return False, "vocabulary-sized matrix outside the layers (embedding or output head)"
     if module_parts and (lowered[-1] in _ROUTER_NAMES or "router" in lowered[-1]):
         return False, "MoE router"
     return True, "linear weight"
@@ -496,7 +499,7 @@ class QuantizeReport:
 
 # weight formats other than safetensors are never copied: they would duplicate the weights
 _NEVER_COPY = ("*.safetensors", INDEX_NAME, CONFIG_NAME, "*.bin", "*.bin.index.json", "*.pt",
-               "*.pth", "*.gguf", "*.ckpt", "*.h5", "*.msgpack", ".git", ".cache")
+               "*.pth", "*.gguf", "*.ckpt", "*.h5", "*.msgpack")
 
 
 def quantize_checkpoint(in_dir, out_dir, skip: Iterable[str] = (), ue8m0: bool = False,
@@ -577,7 +580,7 @@ def quantize_checkpoint(in_dir, out_dir, skip: Iterable[str] = (), ue8m0: bool =
                    if r.startswith(("matches --skip", "MoE router"))]
         config = dict(config, quantization_config=quantization_config(ue8m0, ignored))
         _write_json(tmp / CONFIG_NAME, config)
-        report.files_copied = _copy_other_files(src.path, tmp)
+        report.files_copied = _copy_other_files(src.path, tmp, skip={tmp, out_path})
         validate_quantized_checkpoint(tmp, src)
         if out_path.exists():
             shutil.rmtree(out_path)
@@ -592,10 +595,14 @@ def _first_reasons(kept: dict, n: int = 3) -> str:
     return ", ".join(f"{k}: {v}" for k, v in list(kept.items())[:n]) or "no tensors"
 
 
-def _copy_other_files(src: Path, dst: Path) -> list:
+def _copy_other_files(src: Path, dst: Path, skip=()) -> list:
+    """Top-level files and folders of ``src`` except weights, config and hidden entries
+    (.git, caches, our own temporary folder); never ``skip`` (an output inside the input)."""
     copied = []
+    skip = {Path(p).resolve() for p in skip}
     for p in sorted(src.iterdir()):
-        if any(fnmatch.fnmatch(p.name, pat) for pat in _NEVER_COPY):
+        if (p.name.startswith(".") or p.resolve() in skip
+                or any(fnmatch.fnmatch(p.name, pat) for pat in _NEVER_COPY)):
             continue
         if p.is_dir():
             shutil.copytree(p, dst / p.name)
