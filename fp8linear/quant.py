@@ -35,6 +35,13 @@ def check_block_size(block, what: str = "block") -> None:
             f"1x128 activation groups)")
 
 
+def _amax_to_scale(amax: torch.Tensor) -> torch.Tensor:
+    # Divide by a 448 *tensor*: torch on CUDA turns division by a Python scalar into a
+    # multiplication by its reciprocal, one ulp off IEEE amax / 448 for some values, and that
+    # ulp moves x / scale across fp8 rounding ties. The kernels divide exactly, like the CPU.
+    return amax.clamp(min=AMAX_EPS) / torch.full_like(amax, FP8_MAX)
+
+
 def _round_scale(scale: torch.Tensor, ue8m0: bool) -> torch.Tensor:
     # UE8M0 (DeepSeek-V3.1): scales become powers of two, rounded *up* so that
     # amax / scale never exceeds 448.
@@ -60,7 +67,7 @@ def quantize_weight(w: torch.Tensor, block: int = BLOCK, ue8m0: bool = False):
     padded[:n, :k] = wf
     blocks = padded.view(nb, block, kb, block)
     amax = blocks.abs().amax(dim=(1, 3))
-    scale = _round_scale(amax.clamp(min=AMAX_EPS) / FP8_MAX, ue8m0)
+    scale = _round_scale(_amax_to_scale(amax), ue8m0)
     if not torch.isfinite(scale).all():
         raise ValueError("weight has non-finite values (inf/nan): cannot quantize")
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
@@ -80,7 +87,7 @@ def quantize_activation(x: torch.Tensor, group: int = BLOCK, ue8m0: bool = False
         xf = torch.nn.functional.pad(xf, (0, kb * group - k))
     groups = xf.unflatten(-1, (kb, group))
     amax = groups.abs().amax(dim=-1)
-    scale = _round_scale(amax.clamp(min=AMAX_EPS) / FP8_MAX, ue8m0)
+    scale = _round_scale(_amax_to_scale(amax), ue8m0)
     q = (groups / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).flatten(-2)[..., :k]
     return q.to(FP8_DTYPE).contiguous(), scale.contiguous()
 
