@@ -65,14 +65,14 @@ def _fp8_bits_to_f16(b):
 
 
 # M changes with every batch: not specialising on it avoids a recompile per M class
-@triton.jit(do_not_specialize=["M", "KB_PER_SPLIT"])
+@triton.jit(do_not_specialize=["M", "KB", "KB_PER_SPLIT"])
 def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, c_ptr, part_ptr,
                  M, N, K, KB, KB_PER_SPLIT,
                  A_KIND: tl.constexpr, W_BITS: tl.constexpr, SCALE_ROWS: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
                  DOT_PREC: tl.constexpr, UNSCALE: tl.constexpr,
-                 FP8_MAX_C: tl.constexpr, EPS: tl.constexpr):
+                 FP8_MAX_C: tl.constexpr, EPS: tl.constexpr, ROUND_FIRST: tl.constexpr):
     BK: tl.constexpr = 128
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -120,7 +120,7 @@ def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, c_ptr, part_ptr,
             a = _fp8_bits_to_f16(a)
             sa = tl.load(as_rows + kb) * UNSCALE
         elif A_KIND == 3:    # quantize here, same numerics as triton_quant / quant.py
-            a, sa = quant_group(a.to(tl.float32), FP8_MAX_C, EPS)
+            a, sa = quant_group(a.to(tl.float32), FP8_MAX_C, EPS, ROUND_FIRST)
 
         if W_BITS:
             w = _fp8_bits_to_f16(w)
@@ -157,7 +157,7 @@ def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, c_ptr, part_ptr,
         tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["MN", "NSPLIT"])
+@triton.jit(do_not_specialize=["MN", "N", "NSPLIT"])
 def _splitk_reduce_kernel(part_ptr, bias_ptr, c_ptr, MN, N, NSPLIT,
                           HAS_BIAS: tl.constexpr, BLOCK_E: tl.constexpr):
     # Splits are added in index order 0, 1, 2, ...: the same bits on every run.
@@ -255,15 +255,19 @@ def choose_config(m: int, n: int, k: int, a_bytes: int, weight_only: bool,
         # which costs a workspace round trip.
         cfg = cfg._replace(bn=64)
 
-    # Stages: as many as the shared memory holds (Ada / Ampere-86 have ~100 KB, H100 227 KB).
-    stage = cfg.bm * 128 * a_bytes + 128 * cfg.bn * 1
-    extra = 0
-    if weight_only:     # the decoded fp16 tiles the dot reads
-        extra = 128 * cfg.bn * 2 + (cfg.bm * 128 * 2 if a_bytes == 1 else 0)
-    fit = (dev.smem - extra - 4096) // stage
-    cfg = cfg._replace(stages=max(2, min(cfg.stages, fit)))
-    if weight_only and cfg.bm == 128 and fit < 2:
-        cfg = cfg._replace(bm=64, warps=4)
+    # Stages: as many as the shared memory holds (Ada and sm_86 have ~100 KB, H100 227 KB).
+    def buffers_that_fit(c):
+        stage = c.bm * 128 * a_bytes + 128 * c.bn          # A and W tiles of one K step
+        extra = 0
+        if weight_only:                                      # decoded fp16 tiles for the dot
+            extra = 128 * c.bn * 2 + (c.bm * 128 * 2 if a_bytes == 1 else 0)
+        return (dev.smem - extra - 4096) // stage
+
+    if weight_only and cfg.bm == 128 and buffers_that_fit(cfg) < 2:
+        cfg = cfg._replace(bm=64, warps=4)      # e.g. fp32 activations on a 100 KB SM
+    # Triton keeps num_stages buffers in flight on sm_90+, num_stages - 1 before that.
+    extra_stage = 1 if (not dev.hip and dev.capability < (9, 0)) else 0
+    cfg = cfg._replace(stages=max(2, min(cfg.stages, buffers_that_fit(cfg) + extra_stage)))
 
     # Split-K: when the output tiles cannot fill the SMs, split K so that about two waves of
     # programs run (memory latency is hidden by having several in flight per SM), keeping
@@ -325,6 +329,7 @@ def _launch(a, a_scale, w, w_scale, bias, out, a_kind: int, w_bits: bool,
         BM=cfg.bm, BN=cfg.bn, GROUP_M=cfg.group_m,
         DOT_PREC=_dot_precision(dev.type, index), UNSCALE=_DECODE_UNSCALE,
         FP8_MAX_C=FP8_MAX, EPS=AMAX_EPS,
+        ROUND_FIRST=a_kind == A_QUANT and triton_quant.needs_round_first(dev),
         num_warps=cfg.warps, num_stages=cfg.stages)
     if split:
         mn = m * n
