@@ -45,7 +45,9 @@ def _build(args) -> int:
         print(f"fp8linear build: the kernel build system is not available ({e})",
               file=sys.stderr)
         return 1
-    precompile()
+    path = precompile()
+    if path is not None:
+        print(f"fp8linear build: kernels ready in {path}")
     return 0
 
 
