@@ -24,6 +24,7 @@ is e4m3fnuz, so there the weight-only mode is the default; see ``_default_mode``
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import NamedTuple, Optional
@@ -97,13 +98,19 @@ def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, c_ptr, part_ptr,
     w_cols = w_ptr + wn[None, :] * K            # [1, BN]; tile is [BK, BN], K contiguous
     as_rows = as_ptr + am * KB
     if SCALE_ROWS == 1:
-        ws_rows = ws_ptr + wn * KB              # per-row weight scales: one per output row
+        ws_ptrs = ws_ptr + wn * KB              # per-row weight scales: one per output row
     else:
         # 128x128 blocks, BN divides 128: the whole tile shares one scale row
-        ws_row = ws_ptr + ((pid_n * BN) // 128) * KB
+        ws_ptrs = ws_ptr + ((pid_n * BN) // 128) * KB
 
     kb_lo = pid_k * KB_PER_SPLIT
     kb_hi = tl.minimum(kb_lo + KB_PER_SPLIT, KB)
+    # Scales are prefetched one K-block ahead: Triton's pipeliner stages only the tile
+    # loads, and a scale load issued in the iteration that uses it would stall the
+    # promotion multiply on its latency every step.
+    sw_next = tl.load(ws_ptrs + kb_lo)
+    if A_KIND < 2:
+        sa_next = tl.load(as_rows + kb_lo)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kb in range(kb_lo, kb_hi):
         k = kb * BK + rk
@@ -113,25 +120,24 @@ def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, c_ptr, part_ptr,
         else:
             a = tl.load(a_rows + k[None, :], mask=k[None, :] < K, other=0.0)
             w = tl.load(w_cols + k[:, None], mask=k[:, None] < K, other=0.0)
+        k_next = tl.minimum(kb + 1, KB - 1)
+        sw = sw_next
+        sw_next = tl.load(ws_ptrs + k_next)
+        if A_KIND < 2:
+            sa = sa_next
+            sa_next = tl.load(as_rows + k_next)
 
-        if A_KIND == 0:      # fp8 activations, native fp8 dot
-            sa = tl.load(as_rows + kb)
-        elif A_KIND == 1:    # fp8 activation bits -> fp16 (weight-only gemm)
+        if A_KIND == 1:      # fp8 activation bits -> fp16 (weight-only gemm)
             a = _fp8_bits_to_f16(a)
-            sa = tl.load(as_rows + kb) * UNSCALE
+            sa = sa * UNSCALE
         elif A_KIND == 3:    # quantize here, same numerics as triton_quant / quant.py
             a, sa = quant_group(a.to(tl.float32), FP8_MAX_C, EPS, ROUND_FIRST)
 
         if W_BITS:
             w = _fp8_bits_to_f16(w)
+            sw = sw * UNSCALE
             if A_KIND == 2:
                 w = w.to(a.dtype)   # exact: these values fit bf16 and fp32 too
-        if SCALE_ROWS == 1:
-            sw = tl.load(ws_rows + kb)
-        else:
-            sw = tl.load(ws_row + kb)
-        if W_BITS:
-            sw = sw * UNSCALE
 
         d = tl.dot(a, w, input_precision=DOT_PREC)
         if A_KIND == 2:
@@ -218,12 +224,22 @@ def _default_mode(index: int) -> str:
     return "native" if torch.cuda.get_device_capability(index) >= (8, 9) else "weight_only"
 
 
+@functools.lru_cache(maxsize=None)
+def _has_fp8_dot(index: int) -> bool:
+    # Triton rejects the e4m3fn type below sm_89; ROCm is left to Triton (untested)
+    return torch.version.hip is not None or torch.cuda.get_device_capability(index) >= (8, 9)
+
+
 def mode(device: torch.device) -> str:
     """The mode this device runs: FP8LINEAR_TRITON_MODE=native|weight_only, or by capability."""
     v = os.environ.get(_MODE_ENV)
     if v:
         if v not in MODES:
             raise ValueError(f"{_MODE_ENV}={v!r}: expected one of {', '.join(MODES)}")
+        if v == "native" and device.type == "cuda" and not _has_fp8_dot(device.index or 0):
+            cap = torch.cuda.get_device_capability(device.index or 0)
+            raise ValueError(f"{_MODE_ENV}=native needs fp8 tensor cores (sm_89 or newer); "
+                             f"this GPU is sm_{cap[0]}{cap[1]}: use weight_only")
         return v
     if device.type != "cuda":
         return "native"
@@ -338,11 +354,29 @@ def _launch(a, a_scale, w, w_scale, bias, out, a_kind: int, w_bits: bool,
             HAS_BIAS=bias is not None, BLOCK_E=1024, num_warps=4)
 
 
+def _on_device(dev: torch.device):
+    # Triton launches on the *current* device: switch for tensors that live on another one
+    if dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
+        return torch.cuda.device(dev.index)
+    return contextlib.nullcontext()
+
+
 def gemm(a, a_scale, w, w_scale, bias, out, config: Optional[Config] = None) -> None:
     """out[M,N] = blockwise-scaled fp8 GEMM of pre-quantized a (fp8 [M,K]) and w (fp8 [N,K]).
 
     ``config`` overrides the tile rules (tests, benchmarks); leave it None in serving code.
     """
+    with _on_device(a.device):
+        _gemm(a, a_scale, w, w_scale, bias, out, config)
+
+
+def linear(x, w, w_scale, bias, out, config: Optional[Config] = None) -> None:
+    """out[M,N] = x @ dequant(w)^T + bias; x bf16/fp16/fp32 [M,K] contiguous."""
+    with _on_device(x.device):
+        _linear(x, w, w_scale, bias, out, config)
+
+
+def _gemm(a, a_scale, w, w_scale, bias, out, config):
     if mode(a.device) == "weight_only":
         # no fp8 tensor cores assumed: both operands are decoded to fp16 in the kernel
         _launch(a.view(torch.uint8), a_scale, w.view(torch.uint8), w_scale, bias, out,
@@ -351,8 +385,7 @@ def gemm(a, a_scale, w, w_scale, bias, out, config: Optional[Config] = None) -> 
         _launch(a, a_scale, w, w_scale, bias, out, A_FP8, False, config)
 
 
-def linear(x, w, w_scale, bias, out, config: Optional[Config] = None) -> None:
-    """out[M,N] = x @ dequant(w)^T + bias; x bf16/fp16/fp32 [M,K] contiguous."""
+def _linear(x, w, w_scale, bias, out, config):
     m = x.shape[0]
     if mode(x.device) == "weight_only":
         _launch(x, None, w.view(torch.uint8), w_scale, bias, out, A_FLOAT, True, config)
