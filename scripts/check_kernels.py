@@ -73,9 +73,10 @@ def torch_includes(csrc: Path) -> list[str]:
         if f.name == "bindings.cpp":
             continue
         text = f.read_text(errors="replace")
+        lines = text.splitlines()
         for m in _TORCH_INCLUDE.finditer(text):
             line = text.count("\n", 0, m.start()) + 1
-            bad.append(f"{f.relative_to(csrc)}:{line}: {m.group(0).strip()}")
+            bad.append(f"{f.relative_to(csrc)}:{line}: {lines[line - 1].strip()}")
     return bad
 
 

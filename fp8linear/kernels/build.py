@@ -241,6 +241,9 @@ cpp_extension.load(name=cfg["name"], sources=cfg["sources"], extra_cflags=cfg["c
 def _compile(src: Path, build_dir: Path, arch: str, log_path: Path, verbose: bool) -> None:
     """Builds ``build_dir/EXT_NAME.so`` from ``src``; BuildError with the log's errors."""
     env = require_toolchain()
+    if not verbose:  # a minute-long pause on first use deserves one line of explanation
+        print(f"fp8linear: compiling the sm90 kernels into {build_dir} (first use; takes a "
+              f"minute or two, then cached)", file=sys.stderr, flush=True)
     cxx = CXX_FLAGS + [f"-idirafter{d}" for d in wheel_include_dirs()]
     cfg = {"name": EXT_NAME, "sources": [str(p) for p in translation_units(src)],
            "cxx": cxx, "nvcc": nvcc_flags(arch) + PTXAS_VERBOSE, "include": str(src),
@@ -330,9 +333,6 @@ def build(key: str, root: Path, *, arch: str, verbose: bool = False) -> Path:
         d.mkdir(parents=True, exist_ok=True)
         (d / _MARKER).unlink(missing_ok=True)
         t0 = time.time()
-        if not verbose:
-            print(f"fp8linear: compiling the sm90 kernels into {d} (first use; takes a minute or "
-                  f"two, then cached)", file=sys.stderr, flush=True)
         _compile(source_dir(), d, arch, d / _LOG, verbose)
         so = d / f"{EXT_NAME}.so"
         if not so.is_file():
