@@ -1,0 +1,100 @@
+"""Runs vLLM engines in a fresh process and writes what they produced as JSON.
+
+usage: python engine_runner.py SPEC.json OUT.json
+
+SPEC: {"runs": [{"name", "model", "quantization" (or null), "enforce_eager",
+                 "prompt" (token ids), "max_tokens", "llm_kwargs" (optional)}, ...]}
+OUT:  {name: {"prompt_logprobs": [logprob of prompt token i+1 given tokens 0..i, ...],
+              "prompt_top": [{token: logprob} top-5 at each prompt position, ...],
+              "tokens": [greedy ids], "token_logprobs": [...],
+              "layers": [{"name", "cls", "method", "weight", "scale", "calls"}, ...],
+              "start_s", "generate_s"} or {"error": traceback}}
+
+One process runs every engine in turn (import vLLM once: ~8 s on 2 cores); engines run
+in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) with a small KV cache. The plugin registers
+itself through its entry point, exactly as in production.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+import traceback
+
+
+def inspect_model(model):
+    """Every vLLM linear layer with its quant method, weight/scale shapes and call count."""
+    from vllm.model_executor.layers.linear import LinearBase
+    rows = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, LinearBase):
+            continue
+        qm = mod.quant_method
+        scale = getattr(mod, getattr(qm, "scale_name", "weight_scale_inv"), None)
+        rows.append({
+            "name": name, "cls": type(mod).__name__, "method": type(qm).__name__,
+            "weight": [str(mod.weight.dtype), list(mod.weight.shape)],
+            "scale": list(scale.shape) if scale is not None else None,
+            "calls": getattr(qm, "calls", None),
+        })
+    return rows
+
+
+def run_one(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    kw = dict(model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16",
+              enforce_eager=spec.get("enforce_eager", True), max_model_len=256,
+              max_num_seqs=4, max_num_batched_tokens=256, kv_cache_memory_bytes=64 * 2**20,
+              seed=0)
+    if spec.get("quantization"):
+        kw["quantization"] = spec["quantization"]
+    kw.update(spec.get("llm_kwargs") or {})
+    t0 = time.time()
+    llm = LLM(**kw)
+    t1 = time.time()
+    try:
+        sp = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 16),
+                            logprobs=5, prompt_logprobs=5, detokenize=False, ignore_eos=True)
+        prompt = spec["prompt"]
+        out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+        t2 = time.time()
+        plp = out.prompt_logprobs  # [None, {tok: Logprob}, ...]
+        res = {
+            "prompt_logprobs": [plp[i][prompt[i]].logprob for i in range(1, len(prompt))],
+            "prompt_top": [{str(t): lp.logprob for t, lp in plp[i].items()
+                            if lp.rank is not None and lp.rank <= 5}
+                           for i in range(1, len(prompt))],
+            "tokens": list(out.outputs[0].token_ids),
+            "token_logprobs": [d[t].logprob for d, t in zip(out.outputs[0].logprobs,
+                                                            out.outputs[0].token_ids)],
+            "layers": llm.apply_model(inspect_model)[0],
+            "start_s": round(t1 - t0, 1), "generate_s": round(t2 - t1, 2),
+        }
+    finally:
+        del llm
+        gc.collect()
+        try:
+            from vllm.distributed import cleanup_dist_env_and_memory
+            cleanup_dist_env_and_memory()
+        except Exception:  # noqa: BLE001 (best effort between engines)
+            pass
+    return res
+
+
+def main(spec_path: str, out_path: str) -> int:
+    spec = json.loads(open(spec_path).read())
+    results = {}
+    for run in spec["runs"]:
+        try:
+            results[run["name"]] = run_one(run)
+        except Exception:  # noqa: BLE001 (reported per run, the others still run)
+            results[run["name"]] = {"error": traceback.format_exc()}
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))
