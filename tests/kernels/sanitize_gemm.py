@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""A handful of small shapes, once each, through the sm90 backend, for compute-sanitizer:
+
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 \
+      python tests/kernels/sanitize_gemm.py
+  compute-sanitizer --tool racecheck --error-exitcode 9 python tests/kernels/sanitize_gemm.py --quick
+
+(PYTORCH_NO_CUDA_MEMORY_CACHING=1 gives every tensor its own cudaMalloc, so memcheck sees a
+read or write past a tensor's end instead of landing silently in a neighbour of the
+allocator's pool.)
+
+Covers both sm90 paths as heuristics.sm90_plan picks them (decode: swap-AB, split-K, fused
+quant, M <= 64; large M: quant kernel + TMA/wgmma GEMM), tails in M, N and K (partial last
+scale blocks), both weight-scale granularities, bias, bf16 and fp16 outputs, block_fp8_gemm
+and fp8_linear. Data and references are made on the CPU, so the GPU runs little besides our
+kernels (and the instrumented run stays short). Exit code 0 only if every result is right.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import fp8linear  # noqa: E402
+
+# (M, N, K, per_row, out dtype, bias)
+CASES = [
+    (1, 136, 272, False, torch.bfloat16, True),      # decode, one token, tails in N and K
+    (7, 264, 400, True, torch.float16, False),       # decode, per-row scales, K tail of 16
+    (33, 128, 1040, False, torch.bfloat16, True),    # decode, larger token tile, split K
+    (64, 200, 528, True, torch.bfloat16, False),     # decode, largest M of the decode path
+    (65, 136, 272, False, torch.bfloat16, True),     # large-M path, smallest M
+    (300, 264, 400, True, torch.float16, True),      # large-M path, M tail, per-row
+    (1000, 392, 1040, False, torch.bfloat16, False), # large-M path, several tiles
+]
+QUICK = [0, 2, 4, 5]   # racecheck is slow on warp-specialized kernels: fewer cases
+
+
+def deq64(q, s):
+    r, k = q.shape
+    s = s.double()
+    if s.shape[0] != r:
+        s = s.repeat_interleave(128, 0)[:r]
+    return q.double() * s.repeat_interleave(128, 1)[:, :k]
+
+
+def plan(m, n, k):
+    from fp8linear.kernels import heuristics
+    try:
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        return heuristics.sm90_plan(m, n, k, sms)
+    except Exception as e:  # noqa: BLE001
+        return f"? ({e})"
+
+
+def run_case(i, m, n, k, per_row, dtype, with_bias, dev="cuda"):
+    g = torch.Generator().manual_seed(1000 + i)
+    x = (torch.randn(m, k, generator=g) * torch.exp(0.5 * torch.randn(m, 1, generator=g)))
+    w = 0.05 * torch.randn(n, k, generator=g) * torch.exp(0.5 * torch.randn(n, 1, generator=g))
+    xq, xs = fp8linear.quantize_activation(x.to(dtype))
+    wq, ws = fp8linear.quantize_activation(w) if per_row else fp8linear.quantize_weight(w)
+    bias = (0.5 * torch.randn(n, generator=g)).to(dtype) if with_bias else None
+    ref = deq64(xq, xs) @ deq64(wq, ws).t()
+    if bias is not None:
+        ref += bias.double()
+    xd, xqd, xsd = x.to(dtype).to(dev), xq.to(dev), xs.to(dev)
+    wqd, wsd = wq.to(dev), ws.to(dev)
+    bd = bias.to(dev) if bias is not None else None
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=dev)
+    fp8linear.block_fp8_gemm(xqd, xsd, wqd, wsd, out_dtype=dtype, out=out, bias=bd)
+    y = fp8linear.fp8_linear(xd, wqd, wsd, bd)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    errs = []
+    for name, o in (("block_fp8_gemm", out), ("fp8_linear", y)):
+        oc = o.double().cpu()
+        if not torch.isfinite(oc).all():
+            errs.append(f"{name}: {int((~torch.isfinite(oc)).sum())} NaN/inf outputs")
+            continue
+        rel = float((oc - ref).norm() / ref.norm())
+        floor = float((ref.to(dtype).double() - ref).norm() / ref.norm())
+        if rel > max(2e-3, floor + 3e-4):
+            errs.append(f"{name}: rel err {rel:.3e}")
+    return errs
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help=f"only cases {QUICK} (for racecheck)")
+    p.add_argument("--backend", default="sm90", help="FP8LINEAR_BACKEND to force")
+    p.add_argument("--device", default="cuda",
+                   help="cpu: dry run of this script on the torch reference")
+    a = p.parse_args(argv)
+    if a.device == "cpu":
+        a.backend = "reference"
+    elif not torch.cuda.is_available():
+        print("sanitize_gemm: no CUDA device", file=sys.stderr)
+        return 2
+    os.environ["FP8LINEAR_BACKEND"] = a.backend
+    t0 = time.time()
+    if a.backend == "sm90":
+        from fp8linear.kernels import sm90
+        if not sm90.available():
+            print("sanitize_gemm: the sm90 backend is not available", file=sys.stderr)
+            return 3
+    fails = 0
+    for i, case in enumerate(CASES):
+        if a.quick and i not in QUICK:
+            continue
+        m, n, k, per_row, dtype, with_bias = case
+        t = time.time()
+        errs = run_case(i, *case, dev=a.device)
+        status = "ok" if not errs else "FAIL " + "; ".join(errs)
+        fails += bool(errs)
+        print(f"case {i}: M={m} N={n} K={k} {'row' if per_row else 'blk'} "
+              f"{str(dtype).split('.')[-1]} bias={with_bias} "
+              f"plan={plan(m, n, k) if a.device == 'cuda' else '-'} "
+              f"{time.time() - t:.1f}s {status}", flush=True)
+    print(f"sanitize_gemm: {'ALL OK' if not fails else f'{fails} FAILED'} "
+          f"({time.time() - t0:.1f}s)", flush=True)
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
