@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: fp64_reference
 import fp64_reference as ref  # noqa: E402
 
-pytest.importorskip("triton", reason="triton is not installed")
+triton = pytest.importorskip("triton", reason="triton is not installed")
 
 import fp8linear  # noqa: E402
 from fp8linear.kernels import triton_gemm as tg  # noqa: E402
@@ -403,6 +403,48 @@ def test_plan_rules(dev):
         assert p.grid == (-(-m // p.cfg.bm) * -(-n // p.cfg.bn), p.split)
     assert tg._plan("cpu", 0, 1, 4096, 4096, 1, False).split > 1       # decode splits K
     assert tg._plan("cpu", 0, 4096, 4096, 4096, 1, False).split == 1   # prefill does not
+
+
+# (target, A kind, weight as bits, activation type, out type, BM, BN, warps, stages)
+_TARGETS = [
+    ("cuda", 80, tg.A_FLOAT, True, "*bf16", "*bf16", 128, 128, 8, 3),      # Ampere linear
+    ("cuda", 80, tg.A_FLOAT, True, "*fp32", "*fp32", 16, 64, 4, 3),
+    ("cuda", 86, tg.A_FP8_BITS, True, "*u8", "*fp16", 64, 64, 4, 3),       # Ampere gemm
+    ("cuda", 89, tg.A_FP8, False, "*fp8e4nv", "*bf16", 128, 128, 8, 3),   # Ada
+    ("cuda", 89, tg.A_QUANT, False, "*bf16", "*bf16", 16, 64, 4, 4),
+    ("cuda", 90, tg.A_FP8, False, "*fp8e4nv", "*bf16", 128, 128, 8, 4),   # Hopper
+    ("cuda", 90, tg.A_QUANT, False, "*fp16", "*fp16", 32, 64, 4, 6),
+    ("cuda", 100, tg.A_FP8, False, "*fp8e4nv", "*bf16", 128, 128, 8, 4),  # Blackwell
+    ("hip", "gfx942", tg.A_FLOAT, True, "*bf16", "*bf16", 64, 64, 4, 2),   # MI300
+    ("hip", "gfx950", tg.A_FP8, False, "*fp8e4nv", "*bf16", 128, 128, 8, 2),
+]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="interpreting")
+@pytest.mark.parametrize("target", _TARGETS, ids=lambda t: f"{t[0]}-{t[1]}-kind{t[2]}")
+def test_compiles_for_target(target):
+    """Ahead-of-time compile for GPUs this project cannot run (Ada, Blackwell, Ampere, ROCm):
+    catches unsupported ops per architecture (e.g. fp8 types below sm_89) without a GPU."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    backend, arch, a_kind, w_bits, a_ty, out_ty, bm, bn, warps, stages = target
+    sig = {"a_ptr": a_ty, "as_ptr": "*fp32", "w_ptr": "*u8" if w_bits else "*fp8e4nv",
+           "ws_ptr": "*fp32", "bias_ptr": "*bf16", "c_ptr": out_ty, "part_ptr": "*fp32",
+           "M": "i32", "N": "i32", "K": "i32", "KB": "i32", "KB_PER_SPLIT": "i32"}
+    const = dict(A_KIND=a_kind, W_BITS=w_bits, SCALE_ROWS=128, HAS_BIAS=True, SPLIT=False,
+                 EVEN_K=False, BM=bm, BN=bn, GROUP_M=8,
+                 DOT_PREC="ieee" if backend == "hip" else "tf32x3", UNSCALE=256.0,
+                 FP8_MAX_C=448.0, EPS=1e-10, ROUND_FIRST=a_kind == tg.A_QUANT)
+    sig.update({k: "constexpr" for k in const})
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 8, 9)}
+    warp = 64 if backend == "hip" else 32
+    ck = triton.compile(ASTSource(tg._gemm_kernel, sig, constexprs=const, attrs=attrs),
+                        target=GPUTarget(backend, arch, warp),
+                        options={"num_warps": warps, "num_stages": stages})
+    binary = ck.asm.get("cubin") or ck.asm.get("hsaco")
+    assert binary, f"no binary produced for {backend} {arch}"
+    assert ck.metadata.shared <= (227 if arch in (90, 100) else 99) * 1024 or backend == "hip"
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="already interpreting")
