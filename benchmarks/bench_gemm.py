@@ -58,8 +58,10 @@ import importlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -72,6 +74,19 @@ for _p in (HERE, ROOT):
 import common as C  # noqa: E402
 
 T_START = time.time()
+DEV = "cuda"   # "cpu" only for --cpu-dry-run (the plumbing, with the torch reference backend)
+
+
+def sync():
+    if DEV == "cuda":
+        import torch
+        torch.cuda.synchronize()
+
+
+def empty_cache():
+    if DEV == "cuda":
+        import torch
+        torch.cuda.empty_cache()
 
 
 def log(*a):
@@ -111,6 +126,7 @@ def parse_args(argv=None):
     p.add_argument("--warm-timeout", type=float, default=360.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warm-worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--cpu-dry-run", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.repeats < 1 or a.replays < 1:
         p.error("--repeats and --replays must be >= 1")
@@ -171,7 +187,9 @@ class Libs:
                 self.versions["vllm"] = vllm.__version__
             except Exception as e:
                 self.dropped["vllm_triton"] = f"vllm not importable: {type(e).__name__}: {e}"
-        if "cublaslt_blockwise" in want and probe_cublas:
+        if "cublaslt_blockwise" in want and DEV != "cuda":
+            self.dropped["cublaslt_blockwise"] = "needs CUDA"
+        elif "cublaslt_blockwise" in want and probe_cublas:
             self._probe_cublas()
         try:
             import triton
@@ -181,7 +199,7 @@ class Libs:
 
     def _load_deepgemm(self):
         torch = self.torch
-        if torch.cuda.get_device_capability()[0] not in (9, 10):
+        if DEV != "cuda" or torch.cuda.get_device_capability()[0] not in (9, 10):
             self.dropped["deepgemm"] = "DeepGEMM runs on sm90/sm100 only"
             return
         errs = []
@@ -216,7 +234,7 @@ class Libs:
             for variant in ([self.cublas_variant] if self.cublas_variant else ["v1", "v2"]):
                 try:
                     out = cublas_call(variant, md.a_p, md.as_pm, sd.wq[0], sd.ws[0])[:m]
-                    torch.cuda.synchronize()
+                    sync()
                     err = rel_err(out, ref)
                     self.cublas_probe.append(f"{variant} M={m}: rel_err {err:.2e}")
                     if err <= 2e-3:
@@ -256,17 +274,17 @@ class ShapeData:
         import torch
         import fp8linear
         self.n, self.k = n, k
-        g = torch.Generator(device="cuda").manual_seed(seed)
+        g = torch.Generator(device=DEV).manual_seed(seed)
         self.wq, self.ws = [], []
         for _ in range(copies):
-            w = torch.randn(n, k, device="cuda", generator=g) * 0.02
+            w = torch.randn(n, k, device=DEV, generator=g) * 0.02
             # some spread between blocks, so block scales differ
-            w *= torch.exp(0.5 * torch.randn(n, 1, device="cuda", generator=g))
+            w *= torch.exp(0.5 * torch.randn(n, 1, device=DEV, generator=g))
             q, s = fp8linear.quantize_weight(w)
             del w
             self.wq.append(q)
             self.ws.append(s)
-        self.wbf = [(torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+        self.wbf = [(torch.randn(n, k, device=DEV, generator=g) * 0.02).to(torch.bfloat16)
                     for _ in range(bf16_copies)]
         self.w_deq = None  # fp32 dequantized copy 0, built for the checks
 
@@ -288,31 +306,31 @@ class MData:
         import torch
         import fp8linear
         n, k = sd.n, sd.k
-        g = torch.Generator(device="cuda").manual_seed(seed)
+        g = torch.Generator(device=DEV).manual_seed(seed)
         self.m = m
-        self.x = (torch.randn(m, k, device="cuda", generator=g)
-                  * torch.exp(0.5 * torch.randn(m, 1, device="cuda", generator=g))
+        self.x = (torch.randn(m, k, device=DEV, generator=g)
+                  * torch.exp(0.5 * torch.randn(m, 1, device=DEV, generator=g))
                   ).to(torch.bfloat16)
         self.a, self.as_ = fp8linear.quantize_activation(self.x)
         kb = self.as_.shape[1]
         # DeepGEMM / cuBLASLt: M-major scales [M, Kb] with strides (1, ld), ld = M rounded up
         # to 4 (16-byte TMA rows); DeepGEMM's own helper makes exactly this.
         ld = -(-m // 4) * 4
-        buf = torch.empty(kb, ld, dtype=torch.float32, device="cuda")
+        buf = torch.empty(kb, ld, dtype=torch.float32, device=DEV)
         buf[:, :m].copy_(self.as_.t())
         # (DeepGEMM checks the strides and uses it as is: get_mn_major_tma_aligned_tensor
         # would return it unchanged; calling that helper here would only JIT a transpose.)
         self.as_dg = buf[:, :m].t()
         # cuBLASLt: M padded to a multiple of 4; padded rows zero (scale 1)
         mp = ld
-        self.a_p = torch.zeros(mp, k, dtype=self.a.dtype, device="cuda")
+        self.a_p = torch.zeros(mp, k, dtype=self.a.dtype, device=DEV)
         self.a_p[:m] = self.a
-        sbuf = torch.ones(kb, mp, dtype=torch.float32, device="cuda")
+        sbuf = torch.ones(kb, mp, dtype=torch.float32, device=DEV)
         sbuf[:, :m].copy_(self.as_.t())
         self.as_pm = sbuf.t()                   # [Mp, Kb], strides (1, Mp)
         # the elementwise op of decode "elem" mode: an RMSNorm-sized [M, K] bf16 multiply
-        self.e_in = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
-        self.e_gamma = torch.randn(k, device="cuda", generator=g).to(torch.bfloat16)
+        self.e_in = torch.randn(m, k, device=DEV, generator=g).to(torch.bfloat16)
+        self.e_gamma = torch.randn(k, device=DEV, generator=g).to(torch.bfloat16)
         self.e_out = torch.empty_like(self.e_in)
 
     def elem(self, i=0):
@@ -365,7 +383,7 @@ def make_launch(method, sd, md, libs):
         dg, a, s, m, n = libs.dg, md.a, md.as_dg, md.m, sd.n
 
         def dg_launch(i):
-            out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            out = torch.empty(m, n, dtype=torch.bfloat16, device=DEV)
             dg.fp8_gemm_nt((a, s), (wq[i % r], ws[i % r]), out, disable_ue8m0_cast=False)
             return out
         return dg_launch
@@ -388,11 +406,11 @@ def backend_name(method, m, n, k):
     from fp8linear.kernels import heuristics
     with method_env(method):
         try:
-            mod = heuristics.backend_for(torch.device("cuda"), m, n, k)
+            mod = heuristics.backend_for(torch.device(DEV), m, n, k)
         except Exception as e:
             return f"error: {e}"
     name = getattr(mod, "name", mod.__name__)
-    if name == "sm90" and hasattr(heuristics, "sm90_plan"):
+    if name == "sm90" and DEV == "cuda" and hasattr(heuristics, "sm90_plan"):
         try:
             sms = torch.cuda.get_device_properties(0).multi_processor_count
             return f"sm90 {heuristics.sm90_plan(m, n, k, sms)}"
@@ -415,7 +433,7 @@ def warm_worker(spec: str) -> int:
     for n, k, m in job["items"]:
         if cur is None or (cur.n, cur.k) != (n, k):
             cur = None
-            torch.cuda.empty_cache()
+            empty_cache()
             cur = ShapeData(n, k, copies=1, bf16_copies=0, seed=n * 7 + k)
         md = MData(cur, m, libs, seed=m)
         for meth in job["methods"]:
@@ -426,7 +444,7 @@ def warm_worker(spec: str) -> int:
             try:
                 with method_env(meth):
                     make_launch(meth, cur, md, libs)(0)
-                torch.cuda.synchronize()
+                sync()
                 res = {"method": meth, "N": n, "K": k, "M": m, "s": time.time() - t}
             except Exception as e:
                 res = {"method": meth, "N": n, "K": k, "M": m, "s": time.time() - t,
@@ -459,26 +477,33 @@ def parallel_warmup(points, methods, libs, workers, timeout):
               for i in range(workers)]
     t0 = time.time()
     procs = []
-    for ch in chunks:
+    # each worker writes to its own file: a pipe nobody reads yet would stall a chatty one
+    tmpdir = tempfile.mkdtemp(prefix="bench_warm_")
+    for i, ch in enumerate(chunks):
         spec = json.dumps({"methods": meths, "items": ch})
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__),
-                                       "--warm-worker", spec], stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        fout = open(os.path.join(tmpdir, f"w{i}.log"), "w+")
+        procs.append((subprocess.Popen([sys.executable, os.path.abspath(__file__),
+                                        "--warm-worker", spec], stdout=fout,
+                                       stderr=subprocess.STDOUT, text=True), fout))
     results = []
-    for p in procs:
+    for p, fout in procs:
         left = max(1.0, timeout - (time.time() - t0))
         try:
-            out, _ = p.communicate(timeout=left)
+            p.wait(timeout=left)
         except subprocess.TimeoutExpired:
             p.kill()
-            out, _ = p.communicate()
+            p.wait()
             info["errors"].append(f"worker {p.pid} killed after {timeout:.0f}s")
+        fout.seek(0)
+        out = fout.read()
+        fout.close()
         for line in out.splitlines():
             if line.startswith("WARM "):
                 results.append(json.loads(line[5:]))
         if p.returncode not in (0, None, -9):
             info["errors"].append(f"worker {p.pid} exit {p.returncode}: "
                                   + " | ".join(out.splitlines()[-5:]))
+    shutil.rmtree(tmpdir, ignore_errors=True)
     info.update(workers=workers, wall_s=time.time() - t0, items=len(results),
                 dg_kernels_after=dg_cache_count())
     for meth in meths:
@@ -512,7 +537,7 @@ class Sweep:
         rb = C.copies_for(2 * n * k, min_total) if "bf16" in self.methods else 0
         t = time.time()
         sd = ShapeData(n, k, r, rb, seed=self.args.seed * 1000003 + n * 31 + k)
-        self.torch.cuda.synchronize()
+        sync()
         log(f"  weights {n}x{k}: {r} fp8 copies, {rb} bf16 copies "
             f"({sd.nbytes() / 1e9:.2f} GB, {time.time() - t:.1f}s)")
         # keep weight sets across repeats while they fit the budget
@@ -542,7 +567,7 @@ class Sweep:
                     with method_env(meth):
                         t = time.time()
                         out = launch(0)
-                        torch.cuda.synchronize()
+                        sync()
                         first = time.time() - t
                         ex = self.extra.setdefault(key, {})
                         if rep == 0:
@@ -557,7 +582,8 @@ class Sweep:
                                 log(f"  WARNING {meth} {n}x{k} M={m}: rel_err {err:.3e}")
                         del out
                         graphs[meth] = C.capture_graph(
-                            launch, L, between=md.elem if mode == "elem" else None)
+                            launch, L, between=md.elem if mode == "elem" else None,
+                            device=DEV)
                         launches[meth] = L
                         ex.update(launches=L, copies=copies)
                 except Exception as e:
@@ -567,12 +593,13 @@ class Sweep:
                     log("  ERROR " + msg)
                     if os.environ.get("BENCH_TRACEBACK"):
                         traceback.print_exc()
-                    torch.cuda.synchronize()
+                    sync()
             if not graphs:
                 continue
             if mode == "elem":
                 le = max(launches.values())
-                graphs["_elem"] = C.capture_graph(lambda i: None, le, between=md.elem)
+                graphs["_elem"] = C.capture_graph(lambda i: None, le, between=md.elem,
+                                                  device=DEV)
                 launches["_elem"] = le
             times = C.time_graphs_interleaved(graphs, args.replays, args.warmup_replays)
             per = {g: [t / launches[g] for t in ts] for g, ts in times.items()}
@@ -629,6 +656,10 @@ class Sweep:
 
 
 def device_header(torch):
+    if DEV == "cpu":
+        return {"device": "cpu (dry run: plumbing only, timings meaningless)",
+                "torch": torch.__version__, "date": C.utc_now(), "command": C.command_line(),
+                "git_commit": C.git_commit()}
     p = torch.cuda.get_device_properties(0)
     h = {"device": torch.cuda.get_device_name(0),
          "capability": ".".join(map(str, torch.cuda.get_device_capability(0))),
@@ -648,18 +679,23 @@ def device_header(torch):
 
 
 def default_out(args, torch):
-    slug = torch.cuda.get_device_name(0).replace("NVIDIA ", "").replace(" ", "_").lower()
+    slug = "cpu" if DEV == "cpu" else \
+        torch.cuda.get_device_name(0).replace("NVIDIA ", "").replace(" ", "_").lower()
     tag = "decode" if args.decode else ("quick" if args.quick else "gemm")
     day = C.utc_now()[:10]
     return os.path.join(HERE, "results", f"{tag}_{slug}_{day}.json")
 
 
 def main(argv=None) -> int:
+    global DEV
     args = parse_args(argv)
+    if args.cpu_dry_run:
+        DEV = "cpu"
+        os.environ["FP8LINEAR_BACKEND"] = "reference"
     if args.warm_worker:
         return warm_worker(args.warm_worker)
     import torch
-    if not torch.cuda.is_available():
+    if DEV == "cuda" and not torch.cuda.is_available():
         print("bench_gemm: needs a CUDA device", file=sys.stderr)
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False   # the fp32 reference is fp32
@@ -693,8 +729,13 @@ def main(argv=None) -> int:
     workers = args.warm_workers
     if workers is None:
         workers = max(1, min(14, (os.cpu_count() or 4) - 2))
+    if DEV != "cuda":
+        workers = 0
     points = [(n, k, m) for (n, k) in shapes for m in ms]
-    jit = parallel_warmup(points, methods, libs, workers, args.warm_timeout)
+    warm_timeout = args.warm_timeout
+    if args.budget_s:   # leave at least half of the budget to the timed sweep
+        warm_timeout = min(warm_timeout, 0.5 * args.budget_s)
+    jit = parallel_warmup(points, methods, libs, workers, warm_timeout)
     header["jit"] = jit
     if jit["workers"]:
         log(f"JIT warm-up: {jit['items']} first calls in {jit['wall_s']:.1f}s on "
@@ -703,7 +744,7 @@ def main(argv=None) -> int:
         for e in jit["errors"][:10]:
             log("  warm-up: " + e)
 
-    bw = C.measure_read_bandwidth(args.bw_gib)
+    bw = C.measure_read_bandwidth(args.bw_gib, device=DEV)
     header.update(bw)
     log(f"read bandwidth {bw['read_bw_gbps']:.0f} GB/s ({bw['read_bw_op']} over "
         f"{bw['read_bw_bytes'] / 2**30:.1f} GiB; {bw['read_bw_all_gbps']})")
@@ -712,7 +753,8 @@ def main(argv=None) -> int:
     truncated = False
     for rep in range(args.repeats):
         for (n, k) in shapes:
-            if args.budget_s and time.time() - T_START > args.budget_s:
+            started = bool(sweep.samples)   # the first shape always runs
+            if started and args.budget_s and time.time() - T_START > args.budget_s:
                 truncated = True
                 log(f"budget of {args.budget_s:.0f}s reached: stopping before repeat {rep} "
                     f"shape {n}x{k}")
@@ -721,11 +763,10 @@ def main(argv=None) -> int:
             sd = sweep.shape_data(n, k)
             for m in ms:
                 sweep.run_point(rep, sd, m)
-            if (n, k) not in sweep.cache:
-                del sd
-                torch.cuda.empty_cache()
-            elif rep == 0 and sweep.cache[(n, k)].w_deq is not None:
+            if (n, k) in sweep.cache:
                 sweep.cache[(n, k)].w_deq = None   # the checks run in repeat 0 only
+            del sd
+            empty_cache()
             header.update(truncated=truncated, point_errors=sweep.point_errors,
                           elapsed_s=time.time() - T_START)
             C.write_json(out, header, sweep.rows())
@@ -733,7 +774,8 @@ def main(argv=None) -> int:
             break
     rows = sweep.rows()
     header.update(truncated=truncated, point_errors=sweep.point_errors,
-                  elapsed_s=time.time() - T_START, bw_end=C.measure_read_bandwidth(args.bw_gib))
+                  elapsed_s=time.time() - T_START,
+                  bw_end=C.measure_read_bandwidth(args.bw_gib, device=DEV))
     C.write_json(out, header, rows)
     log(f"wrote {out} ({len(rows)} rows)")
     if not args.no_plot:

@@ -168,11 +168,27 @@ def geomean(xs: Iterable[float]) -> float:
 
 
 # -------------------------------------------------------------------------- CUDA timing
+class CpuGraph:
+    """Stand-in for a CUDA graph on the CPU (dry runs of the benchmark's plumbing only)."""
+
+    def __init__(self, launch, launches, between):
+        self.launch, self.launches, self.between = launch, launches, between
+
+    def replay(self):
+        for i in range(self.launches):
+            if self.between is not None:
+                self.between(i)
+            self.launch(i)
+
+
 def capture_graph(launch: Callable[[int], object], launches: int, warmup_calls: int = 2,
-                  between: Callable[[int], object] | None = None, pool=None):
+                  between: Callable[[int], object] | None = None, pool=None,
+                  device: str = "cuda"):
     """One CUDA graph holding `launches` calls launch(0..launches-1) (each optionally preceded
     by between(i)). Warm-up calls run eagerly on a side stream first (lazy init, cuBLAS
     workspaces, JIT); outputs are dropped, so the graph's private pool reuses their memory."""
+    if device == "cpu":
+        return CpuGraph(launch, launches, between)
     import torch
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -198,8 +214,19 @@ def time_graphs_interleaved(graphs: dict, replays: int, warmup: int = 3) -> dict
     order rotating every round so no method always follows the same one), each replay between
     two CUDA events. Returns {name: [µs per replay]} for the timed replays. One host sync at
     the end: the GPU runs the replays back to back."""
-    import torch
     names = list(graphs)
+    if any(isinstance(g, CpuGraph) for g in graphs.values()):
+        import time
+        res = {n: [] for n in names}
+        for r in range(warmup + replays):
+            rot = r % len(names)
+            for n in names[rot:] + names[:rot]:
+                t = time.perf_counter()
+                graphs[n].replay()
+                if r >= warmup:
+                    res[n].append((time.perf_counter() - t) * 1e6)
+        return res
+    import torch
     evs = {n: [] for n in names}
     for r in range(warmup + replays):
         rot = r % len(names)
@@ -215,17 +242,26 @@ def time_graphs_interleaved(graphs: dict, replays: int, warmup: int = 3) -> dict
     return {n: [a.elapsed_time(b) * 1e3 for a, b in evs[n]] for n in names}
 
 
-def measure_read_bandwidth(gib: float = 2.0, iters: int = 20) -> dict:
+def measure_read_bandwidth(gib: float = 2.0, iters: int = 20, device: str = "cuda") -> dict:
     """Read-only reductions over a >= 1 GiB fp32 buffer (sum and amax: one pass, no writes
     but a scalar); bytes read / median time, the best of the two. The floor of a decode GEMM
     is weight bytes / this."""
     import torch
     n = int(gib * 2**30) // 4
-    buf = torch.empty(n, dtype=torch.float32, device="cuda").uniform_(-1, 1)
+    buf = torch.empty(n, dtype=torch.float32, device=device).uniform_(-1, 1)
     res = {}
     for name, fn in (("sum", torch.sum), ("amax", torch.amax)):
         for _ in range(3):
             fn(buf)
+        if device == "cpu":
+            import time
+            ts = []
+            for _ in range(iters):
+                t = time.perf_counter()
+                fn(buf)
+                ts.append((time.perf_counter() - t) * 1e6)
+            res[name] = n * 4 / (median(ts) * 1e-6) / 1e9
+            continue
         ts = []
         for _ in range(iters):
             e0 = torch.cuda.Event(enable_timing=True)
@@ -238,7 +274,8 @@ def measure_read_bandwidth(gib: float = 2.0, iters: int = 20) -> dict:
         us = median([a.elapsed_time(b) * 1e3 for a, b in ts])
         res[name] = n * 4 / (us * 1e-6) / 1e9
     del buf
-    torch.cuda.empty_cache()
+    if device != "cpu":
+        torch.cuda.empty_cache()
     best = max(res, key=res.get)
     return {"read_bw_gbps": res[best], "read_bw_op": best, "read_bw_all_gbps": res,
             "read_bw_bytes": n * 4}
