@@ -261,7 +261,7 @@ def _compile(src: Path, build_dir: Path, arch: str, log_path: Path, verbose: boo
                 sys.stdout.flush()
         rc = proc.wait()
     if rc != 0:
-        raise BuildError(f"fp8linear: building the sm90 extension failed (full log: {log_path}):"
+        raise BuildError(f"fp8linear: building the sm90 extension failed (full log: {log_path})"
                          f"\n{_error_summary(log_path.read_text(errors='replace'))}")
 
 
@@ -403,7 +403,9 @@ def available() -> bool:
         load()
         return True
     except Exception as e:  # noqa: BLE001  (any failure means: use the portable path)
-        warnings.warn(f"{e}; falling back to the Triton path", stacklevel=2)
+        head, _, detail = str(e).partition("\n")  # the verdict first, a build log after
+        warnings.warn(f"{head}; falling back to the Triton path" + (f"\n{detail}" if detail
+                                                                       else ""), stacklevel=2)
         return False
 
 
