@@ -7,7 +7,7 @@
 # Steps (comma list in STEPS; default env,build,test,sanitize,bench):
 #   env       nvidia-smi, python/torch/triton/nvcc/deep_gemm versions          (~10 s)
 #   build     python -m fp8linear.cli build  (precompiles our CUDA extension)   BUILD_TIMEOUT=300
-#   test      pytest -m gpu tests/kernels                                         TEST_TIMEOUT=240
+#   test      pytest -m gpu tests/kernels (-n TEST_WORKERS=8 with pytest-xdist)  TEST_TIMEOUT=240
 #   sanitize  compute-sanitizer memcheck on tests/kernels/sanitize_gemm.py       SAN_TIMEOUT=180
 #   racecheck compute-sanitizer racecheck on sanitize_gemm.py --quick (not by default)
 #                                                                               RACE_TIMEOUT=300
@@ -23,12 +23,15 @@
 #               copied to /tmp/fp8l_dg (a fixed path: DeepGEMM's JIT cache key contains the
 #               include path) and put first on PYTHONPATH.
 #   optional    .deepgemm/jit_cache.tgz: a jit_cache.tgz an earlier run returned (DeepGEMM
-#               and Triton kernels): unpacked into /tmp/fp8l_jit, saving their JIT time.
+#               kernels, and Triton's with COLLECT_TRITON=1): unpacked into /tmp/fp8l_jit,
+#               saving their JIT time (keyed by the include path, hence the fixed paths).
 # vLLM (for the vllm_triton method), when installed into /tmp/vllm-site by
 # ../shared/vllm-device/ on this warm machine, is found and appended to PYTHONPATH.
 #
 # $OUT (at most 8 files come back): device_run.log, junit.xml, bench.json,
 # bench_speedup.png, bench_floor.png, jit_cache.tgz (COLLECT_CACHE=0 to skip).
+# Other knobs: PYTEST_ARGS (e.g. "-k sm90"), TEST_PATHS, TEST_WORKERS (0: no xdist), MAXFAIL,
+# SAN_ARGS (e.g. --quick), PYTHON, FP8LINEAR_* (passed through to everything).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
@@ -81,9 +84,11 @@ if [ -z "${CUDA_HOME:-}" ]; then
     CUDA_HOME=/usr/local/cuda
   fi
 fi
-if [ -n "${CUDA_HOME:-}" ]; then
+if [ -n "${CUDA_HOME:-}" ] && [ -f "$CUDA_HOME/include/cuda_runtime.h" ]; then
   export CUDA_HOME
   export PATH=$CUDA_HOME/bin:$PATH
+else
+  unset CUDA_HOME   # let torch / DeepGEMM find it their own way
 fi
 PP=$ROOT
 if [ -d .deepgemm/deep_gemm ]; then
@@ -136,8 +141,16 @@ export -f envreport
 export PY
 step env 60 bash -c envreport
 step build "${BUILD_TIMEOUT:-300}" "$PY" -m fp8linear.cli build
+# pytest-xdist spreads the tests (and above all their Triton JIT compiles) over processes;
+# pytest-timeout turns a hung kernel into one failed test instead of a dead step.
+XDIST=""
+if want test; then
+  "$PY" -c "import xdist" 2>/dev/null && [ "${TEST_WORKERS:-8}" != 0 ] && XDIST="-n ${TEST_WORKERS:-8}"
+  "$PY" -c "import pytest_timeout" 2>/dev/null && \
+    XDIST="$XDIST --timeout=${TEST_CASE_TIMEOUT:-150} --timeout-method=thread"
+fi
 step test "${TEST_TIMEOUT:-240}" "$PY" -m pytest -m gpu -q ${TEST_PATHS:-tests/kernels} \
-  -p no:cacheprovider --junitxml="$OUT/junit.xml" -rfEs --tb=short \
+  -p no:cacheprovider --junitxml="$OUT/junit.xml" -rfEs --tb=short $XDIST \
   --maxfail="${MAXFAIL:-40}" --durations=15 ${PYTEST_ARGS:-}
 step sanitize "${SAN_TIMEOUT:-180}" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
   compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 30 \
@@ -152,11 +165,17 @@ if want bench; then
 fi
 
 # ------------------------------------------------------------------------------ collect
+# DeepGEMM's kernels (~3 s of nvcc each, small cubins) by default; Triton's cache is larger
+# (IR files of every specialisation) and its compiles run in parallel anyway: COLLECT_TRITON=1.
 if [ "${COLLECT_CACHE:-1}" = 1 ]; then
-  n_dg=$(ls "$DG_JIT_CACHE_DIR/cache" 2>/dev/null | wc -l)
-  (cd "$JIT" && tar -czf "$OUT/jit_cache.tgz" --exclude='deep_gemm/tmp' \
-     $( [ -d deep_gemm/cache ] && echo deep_gemm/cache ) $( [ -d triton ] && echo triton ) \
-     2>/dev/null) && say "jit_cache.tgz: $(du -sh "$OUT/jit_cache.tgz" | cut -f1), $n_dg DeepGEMM kernels, $(ls "$TRITON_CACHE_DIR" 2>/dev/null | wc -l) Triton cache entries (carry it as .deepgemm/jit_cache.tgz)"
+  parts=""
+  [ "$(ls "$JIT/deep_gemm/cache" 2>/dev/null | wc -l)" -gt 0 ] && parts="deep_gemm/cache"
+  [ "${COLLECT_TRITON:-0}" = 1 ] && [ -d "$JIT/triton" ] && parts="$parts triton"
+  if [ -n "$parts" ]; then
+    (cd "$JIT" && tar -czf "$OUT/jit_cache.tgz" $parts) && say "jit_cache.tgz ($parts):" \
+      "$(du -sh "$OUT/jit_cache.tgz" | cut -f1), $(ls "$JIT/deep_gemm/cache" 2>/dev/null | wc -l)" \
+      "DeepGEMM kernels; carry it as .deepgemm/jit_cache.tgz"
+  fi
 fi
 if [ -f "$OUT/bench.json" ]; then
   "$PY" benchmarks/plot.py "$OUT/bench.json" --no-plot --table 2>&1 | tee -a "$LOG" | tail -n "${TABLE_LINES:-70}"
