@@ -166,6 +166,20 @@ def test_failed_build_leaves_no_marker(env, tmp_path, monkeypatch):
     assert build.load().answer() == 5
 
 
+@pytest.mark.skipif(build.find_cuda_home() is None, reason="nvcc not found")
+def test_real_compile_failure_is_reported_with_its_log(env, tmp_path):
+    # The real child build (torch's cpp_extension + ninja). Here the sources cannot build: a
+    # CPU torch has no CUDA support at all, and a CUDA torch stops at the #error.
+    (env / "bindings.cpp").write_text("#error deliberate\n")
+    key = build.current_key()
+    with pytest.raises(build.BuildError, match="building the sm90 extension failed") as ei:
+        build.build(key, tmp_path / "cache", arch=build.ARCH)
+    log = tmp_path / "cache" / key / "build.log"
+    assert f"(full log: {log})" in str(ei.value)
+    assert log.read_text().startswith("# fp8linear build:")
+    assert not (tmp_path / "cache" / key / "build.json").exists()
+
+
 # ----------------------------------------------------------------------------- prebuilt
 def _no_compile(*args):
     raise AssertionError("compiled although a prebuilt extension was given")
