@@ -72,6 +72,9 @@ void decode(const at::Tensor& x, const c10::optional<at::Tensor>& x_scale, const
               : x.scalar_type() == at::kHalf   ? fp8l::kInFP16
                                                : fp8l::kInFP8;
   d.x_scale = x_scale.has_value() ? x_scale->data_ptr<float>() : nullptr;
+  // [M, num_kb] (block_fp8_gemm) or the quant kernel's [num_kb, ld]: strides say which
+  d.xs_stride_m = x_scale.has_value() ? int(x_scale->stride(0)) : 0;
+  d.xs_stride_kb = x_scale.has_value() ? int(x_scale->stride(1)) : 0;
   d.w = w.data_ptr();
   d.w_scale = w_scale.data_ptr<float>();
   d.w_scale_per_row = per_row;

@@ -42,7 +42,8 @@ namespace fp8l {
 struct DecodeArgs {
   const void* x;          // [M, K] bf16/fp16 activations (quantized inside the kernel),
   int x_dtype;            // kInBF16 / kInFP16, or kInFP8: already quantized,
-  const float* x_scale;   // with scales [M, num_kb] fp32
+  const float* x_scale;   // with fp32 scales: (m, kb) at x_scale[m * xs_stride_m + kb * xs_stride_kb]
+  int xs_stride_m, xs_stride_kb;
   const void* w;          // [N, K] fp8
   const float* w_scale;   // [ceil(N/128), num_kb] or [N, num_kb]
   bool w_scale_per_row;

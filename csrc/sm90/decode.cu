@@ -32,8 +32,10 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
   auto kernel = fp8_decode_kernel<BT, kPerRow, OutT>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return cudaGetErrorString(err);
-  DecodeParams p{d.x,    d.x_dtype,     d.x_scale, d.w_scale, d.bias, d.out, d.workspace,
-                 d.counters, d.M, d.N, d.K, num_kb, d.splits, stages};
+  DecodeParams p{d.x,         d.x_dtype,  d.x_scale, d.xs_stride_m, d.xs_stride_kb,
+                 d.w_scale,   d.bias,     d.out,     d.workspace,   d.counters,
+                 d.M,         d.N,        d.K,       num_kb,        d.splits,
+                 stages};
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((d.N + kDecodeRows - 1) / kDecodeRows, (d.M + BT - 1) / BT, d.splits);
   cfg.blockDim = dim3(384);

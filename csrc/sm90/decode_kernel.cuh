@@ -46,7 +46,8 @@ __host__ __device__ inline DecodeLayout decode_layout(int bt, int kbs, int stage
 struct DecodeParams {
   const void* x;
   int x_dtype;           // kInBF16 / kInFP16, or kInFP8 (already quantized; scales in x_scale)
-  const float* x_scale;  // [M, num_kb] when x is fp8
+  const float* x_scale;  // scale of (m, kb) at x_scale[m * xs_stride_m + kb * xs_stride_kb]
+  int xs_stride_m, xs_stride_kb;
   const float* w_scale;
   const void* bias;
   void* out;
@@ -83,7 +84,8 @@ __device__ __forceinline__ void fill_activation_tiles(const DecodeParams& p, int
         raw[b] = live && k0 < p.K ? *reinterpret_cast<const uint32_t*>(
                                         static_cast<const uint8_t*>(p.x) + size_t(m) * p.K + k0)
                                   : 0u;
-        given_scale[b] = live ? p.x_scale[size_t(m) * p.num_kb + kb] : 0.f;
+        given_scale[b] =
+            live ? p.x_scale[size_t(m) * p.xs_stride_m + size_t(kb) * p.xs_stride_kb] : 0.f;
       } else {
         v[b][0] = v[b][1] = v[b][2] = v[b][3] = 0.f;
         if (live) load4(static_cast<const T*>(p.x) + size_t(m) * p.K + k0, k0, p.K, v[b]);
@@ -99,6 +101,10 @@ __device__ __forceinline__ void fill_activation_tiles(const DecodeParams& p, int
       if constexpr (sizeof(T) == 1) {
         packed = raw[b];
         scale = given_scale[b];
+      } else if (m0 + t >= p.M) {
+        // padding token (warp-uniform): zeros, no reduction and no divisions
+        packed = 0u;
+        scale = 0.f;
       } else {
         float amax = fmaxf(fmaxf(fabsf(v[b][0]), fabsf(v[b][1])),
                            fmaxf(fabsf(v[b][2]), fabsf(v[b][3])));

@@ -111,10 +111,14 @@ def linear(x, w, w_scale, bias, out):
     m, k = x.shape
     n = w.shape[0]
     plan = heuristics.sm90_plan(m, n, k, _num_sms(x.device.index))
-    if plan[0] == "decode":
+    if plan[0] == "decode" and heuristics.sm90_fuse_quant(m) and x.dtype != torch.float32:
         _decode(x, None, w, w_scale, bias, out, plan[1], plan[2])
         return
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     scale_t = torch.empty(cdiv(k, BLOCK), cdiv(m, 4) * 4, dtype=torch.float32, device=x.device)
     build.load().quant(x, q, scale_t)
-    _gemm(q, scale_t, w, w_scale, bias, out, plan[1])
+    if plan[0] == "decode":
+        # token-major view of the [Kb, ld] scales: the decode kernel reads them by stride
+        _decode(q, scale_t[:, :m].t(), w, w_scale, bias, out, plan[1], plan[2])
+    else:
+        _gemm(q, scale_t, w, w_scale, bias, out, plan[1])
