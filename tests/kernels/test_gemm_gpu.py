@@ -11,7 +11,8 @@ unless FP8LINEAR_ALLOW_NO_SM90=1), triton on every CUDA GPU.
   orders, so a scale read from the wrong row/block shows), outputs NaN-poisoned before each
   run. Reference: fp64 product of the dequantized inputs. Checks: no NaN/inf; relative
   Frobenius error <= 2e-3 (on outputs so small that rounding the exact result to bf16 alone
-  exceeds that: that rounding error + 3e-4); per-row and per-column relative error <= 1e-2; and, for
+  exceeds that: that rounding error + 3e-4); per-row and per-column relative error <= 1e-2
+  (rows/columns of >= 32 elements); and, for
   block_fp8_gemm, every element within rounding of the output dtype + 2^-10 * (|A| |W|^T)
   (fp32 accumulation with Hopper's per-128 promotion is far inside that; a wrong tile, row,
   column or scale is far outside). fp8_linear (bf16/fp16/fp32 in, quantized in the backend)
@@ -45,6 +46,7 @@ ACC_TOL = 2.0 ** -10    # per element, times (|A| |W|^T)_mn: accumulation error 
 ROUND_TOL = {"bf16": 2.0 ** -7, "fp16": 2.0 ** -10, "fp32": 2.0 ** -21}  # 2x max rounding
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 BACKENDS = ("sm90", "triton")
+DEVICE = "cuda"   # the tests' device (a CPU dry run of the test bodies may set "cpu")
 
 # size limits of one case: the fp64 reference (and |A||W|^T) stay small and fast
 MAX_MN = 1 << 25
@@ -160,15 +162,16 @@ def _select(backend: str, monkeypatch):
 
 def _backend_used(m, n, k) -> str:
     from fp8linear.kernels import heuristics
-    mod = heuristics.backend_for(torch.device("cuda"), m, n, k)
+    mod = heuristics.backend_for(torch.device(DEVICE), m, n, k)
     return getattr(mod, "name", mod.__name__)
 
 
-def make_data(c: dict, device="cuda"):
+def make_data(c: dict, device=None):
     """Random activations and weights with magnitudes spread per token, per channel and per
     weight row (so every scale differs), a few outlier channels and some near-silent tokens."""
     m, n, k = c["m"], c["n"], c["k"]
     dt = DTYPES[c["out"]]
+    device = device or DEVICE
     g = torch.Generator(device=device).manual_seed(c["seed"])
 
     def randn(*shape):
@@ -236,6 +239,8 @@ def assert_close(out, ref, mag, what, bias=None, elementwise=True):
     assert rel <= tol, (f"{what}: relative Frobenius error {rel:.3e} > {tol:.3e} "
                         f"(rounding the exact result alone: {floor:.3e})")
     for dim, name in ((1, "row"), (0, "column")):
+        if ref.shape[dim] < 32:
+            continue   # a short line's norm can be all cancellation: the elementwise check
         rn = ref.norm(dim=dim)
         line = diff.norm(dim=dim) / rn.clamp_min(1e-300)
         line = torch.where(rn > 0, line, torch.zeros_like(line))
@@ -259,7 +264,7 @@ def assert_close(out, ref, mag, what, bias=None, elementwise=True):
 
 
 def _poisoned(m, n, dtype):
-    return torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+    return torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
 
 
 def _poison_pool(m, n, dtype):
@@ -387,7 +392,7 @@ def test_determinism(backend, m, nk, per_row, monkeypatch):
     x, a, a_s, wq, ws, bias = make_data(c)
     ref, mag = reference(a, a_s, wq, ws, bias)
     # something else on the GPU between runs, so CTAs finish in different orders
-    noise = torch.empty(1 << 24, device="cuda")
+    noise = torch.empty(1 << 24, device=DEVICE)
     first_g = first_l = None
     for run in range(20):
         if run % 2:
