@@ -232,6 +232,9 @@ def _unique_state(model: nn.Module):
     state = model.state_dict(keep_vars=True)
     groups: dict[tuple, list] = {}
     for name, t in state.items():
+        if t.device.type == "meta":  # no storage: neither loadable nor groupable by address
+            raise CheckpointError(f"'{name}' is on the meta device: materialize the model "
+                                  f"first, e.g. model.to_empty(device='cpu')")
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype,
                t.device) if t.numel() else ("empty", name)
         groups.setdefault(key, []).append(name)

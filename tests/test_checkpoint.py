@@ -238,6 +238,13 @@ def test_load_index_that_does_not_match_its_shards(saved):
         load_fp8_checkpoint(quantized_tiny(), saved)
 
 
+def test_load_into_a_meta_model_is_refused(saved):
+    model = quantized_tiny().to("meta")
+    with pytest.raises(CheckpointError, match="is on the meta device: materialize the model "
+                                              "first"):
+        load_fp8_checkpoint(model, saved)
+
+
 def test_load_from_a_path_that_is_not_a_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="not a directory"):
         load_fp8_checkpoint(quantized_tiny(), tmp_path / "nope")
