@@ -29,7 +29,9 @@ What each method times is the call as its own dispatcher runs it:
 - cublaslt_blockwise: torch._scaled_mm (or F.scaled_mm) with 1x128 activation and 128x128
   weight scales; M padded to a multiple of 4 and a_scale M-major, as a quant kernel would
   write them;
-- vllm_triton: vLLM's w8a8_triton_block_scaled_mm (its tuned H100 configs);
+- vllm_triton: vLLM's w8a8_triton_block_scaled_mm (its tuned H100 configs): from an installed
+  vLLM, else the verbatim copy scripts/prepare_deepgemm.sh extracts from the vLLM wheel
+  into .deepgemm/vllm_w8a8 (no vLLM install needed on the device);
 - bf16: F.linear(x_bf16, w_bf16) with its own > 420 MB of bf16 weight copies.
 The fp8 methods share the same fp8 weights (block scales not rounded to powers of two: on
 sm90 DeepGEMM runs the same kernel for fp32 scales either way, and speed does not depend on
@@ -178,15 +180,22 @@ class Libs:
                 self.dropped["fp8linear_triton"] = f"triton backend not importable: {e!r}"
         if "deepgemm" in want:
             self._load_deepgemm()
-        if "vllm_triton" in want:
+        if "vllm_triton" in want and DEV != "cuda":
+            self.dropped["vllm_triton"] = "needs CUDA"
+        elif "vllm_triton" in want:
             try:
                 from vllm.model_executor.layers.quantization.utils.fp8_utils import \
                     w8a8_triton_block_scaled_mm
                 import vllm
                 self.vllm_mm = w8a8_triton_block_scaled_mm
-                self.versions["vllm"] = vllm.__version__
+                self.versions["vllm_triton"] = f"vllm {vllm.__version__} (installed)"
             except Exception as e:
-                self.dropped["vllm_triton"] = f"vllm not importable: {type(e).__name__}: {e}"
+                why = f"vllm not importable ({type(e).__name__}: {e})"
+                try:
+                    self.vllm_mm, self.versions["vllm_triton"] = load_extracted_vllm_triton()
+                except Exception as e2:
+                    self.dropped["vllm_triton"] = \
+                        f"{why}; no extracted copy ({type(e2).__name__}: {e2})"
         if "cublaslt_blockwise" in want and DEV != "cuda":
             self.dropped["cublaslt_blockwise"] = "needs CUDA"
         elif "cublaslt_blockwise" in want and probe_cublas:
@@ -247,6 +256,54 @@ class Libs:
             if self.cublas_variant is None:
                 self.dropped["cublaslt_blockwise"] = "; ".join(self.cublas_probe)
                 return
+
+
+def load_extracted_vllm_triton(d=None):
+    """vLLM's w8a8_triton_block_scaled_mm from the copy scripts/prepare_deepgemm.sh extracted
+    (verbatim) out of the vLLM wheel into .deepgemm/vllm_w8a8, run with shims for the vLLM
+    objects it touches (logger, current_platform; on CUDA its e8m0 branch never runs). Its
+    config lookup finds vLLM's tuned H100 configs beside it, as in vLLM."""
+    import functools
+    import typing
+    import torch
+    import triton
+    import triton.language as tl
+    d = d or os.environ.get("FP8L_VLLM_W8A8_DIR") or os.path.join(ROOT, ".deepgemm", "vllm_w8a8")
+    path = os.path.join(d, "fp8_utils.py")
+    with open(path) as f:
+        src = f.read()
+
+    class _Platform:
+        @staticmethod
+        def get_device_name():
+            return torch.cuda.get_device_name(torch.cuda.current_device())
+
+        @staticmethod
+        def is_rocm():
+            return False
+
+        @staticmethod
+        def is_xpu():
+            return False
+
+    class _Logger:
+        def info(self, *a, **k):
+            pass
+
+        def warning(self, msg, *a, **k):
+            log("vllm_triton: " + (msg % a if a else msg))
+
+    def _no_e8m0(t):
+        raise RuntimeError("e8m0 scales are not used by this benchmark")
+
+    ns = {"__name__": "vllm_w8a8_extracted", "__file__": path, "torch": torch,
+          "triton": triton, "tl": tl, "os": os, "json": json, "functools": functools,
+          "Any": typing.Any, "current_platform": _Platform(), "logger": _Logger(),
+          "_upcast_e8m0_to_fp32": _no_e8m0}
+    exec(compile(src, path, "exec"), ns)
+    head = src.splitlines()[0]
+    ver = head.split("from ")[1].split(" (")[0] if "from " in head else "?"
+    return ns["w8a8_triton_block_scaled_mm"], f"{ver} kernel extracted to {d}"
 
 
 def cublas_call(variant, a_p, as_pm, w, ws):

@@ -67,6 +67,48 @@ if n == 0:
 print(f"extracted {n} files, {size / 2**20:.1f} MiB into {dst}/deep_gemm")
 EOF
 
+# vLLM's Triton block-FP8 GEMM (the `vllm_triton` anchor of benchmarks/bench_gemm.py) without
+# installing vLLM (340 MB over six transfers): the three functions of
+# vllm/model_executor/layers/quantization/utils/fp8_utils.py that run it, extracted verbatim
+# (by their line ranges), plus vLLM's tuned H100/H200 configs. The benchmark executes them
+# with small shims for vLLM's logger/platform (bench_gemm.load_extracted_vllm_triton); a real
+# vLLM install, when present, is preferred. Ignored folder, never committed.
+rm -rf "$DST/vllm_w8a8"
+python3 - "$whl" "$DST/vllm_w8a8" "$V" <<'EOF2'
+import ast, os, re, sys, zipfile
+whl, dst, ver = sys.argv[1:]
+src_name = "vllm/model_executor/layers/quantization/utils/fp8_utils.py"
+cfg_prefix = "vllm/model_executor/layers/quantization/utils/configs/"
+want = ["_w8a8_triton_block_scaled_mm", "get_w8a8_block_fp8_configs",
+        "w8a8_triton_block_scaled_mm"]
+os.makedirs(os.path.join(dst, "configs"), exist_ok=True)
+with zipfile.ZipFile(whl) as z:
+    src = z.read(src_name).decode()
+    ncfg = 0
+    for name in z.namelist():
+        base = name[len(cfg_prefix):]
+        if name.startswith(cfg_prefix) and re.search(r"H[12]00", base) and \
+                "dtype=fp8_w8a8,block_shape=[128,128]" in base:
+            with open(os.path.join(dst, "configs", base), "wb") as f:
+                f.write(z.read(name))
+            ncfg += 1
+lines = src.splitlines(keepends=True)
+defs = {n.name: n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef)}
+missing = [w for w in want if w not in defs]
+if missing:
+    sys.exit(f"{src_name} of vllm {ver} lacks {missing}: update bench_gemm's vllm_triton")
+out = [f"# Extracted verbatim from vllm {ver} ({src_name}), Apache-2.0, by\n"
+       "# scripts/prepare_deepgemm.sh, for benchmarking only; executed by\n"
+       "# benchmarks/bench_gemm.py with shims for torch/triton/tl/logger/current_platform.\n"]
+for w in want:
+    n = defs[w]
+    start = min([d.lineno for d in n.decorator_list] + [n.lineno]) - 1
+    out.append("\n\n" + "".join(lines[start:n.end_lineno]))
+with open(os.path.join(dst, "fp8_utils.py"), "w") as f:
+    f.write("".join(out))
+print(f"vllm_w8a8: {', '.join(want)} + {ncfg} H100/H200 configs -> {dst}")
+EOF2
+
 # What it needs at run time (checked here so the device call does not find out):
 #  - imports: torch only (relative imports inside the package; no vllm import);
 #  - _C links libtorch*/libc10* (loaded by `import torch`), libcudart.so.13, libnvrtc.so.13;
