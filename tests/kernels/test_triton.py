@@ -147,7 +147,7 @@ def test_linear_random_shapes(triton_backend):
     triton_backend.setenv("FP8LINEAR_TRITON_MODE", "native")
     rng = random.Random(99)
     dev = torch.device("cuda")
-    for i in range(60):
+    for i in range(40):
         m = rng.choice([1, 2, 7, 16, 31, 32, 33, 100, 640, 3000])
         n, k = rand_dim(rng, 1536), rand_dim(rng, 2048)
         per_row, bias_dt, x_dt = FAMILIES[i % len(FAMILIES)]
@@ -172,8 +172,7 @@ def test_fused_quant_matches_separate(monkeypatch, round_first):
     monkeypatch.setenv("FP8LINEAR_TRITON_MODE", "native")
     monkeypatch.setattr(tq, "needs_round_first", lambda device: round_first)
     dev = torch.device("cuda")
-    for i, (m, n, k) in enumerate([(1, 256, 4096), (5, 300, 1000), (16, 1024, 2176),
-                                   (32, 96, 130), (3, 17, 7)]):
+    for i, (m, n, k) in enumerate([(1, 256, 4096), (16, 1000, 2200), (32, 96, 130)]):
         x, w, w_s, bias = make_case(m, n, k, seed=77 + i, device=dev)
         cfg = tg.choose_config(m, n, k, 2, False, tg._device_info("cuda", dev.index or 0))
         fused = poisoned(m, n, torch.float32, dev)
@@ -224,7 +223,7 @@ def test_weight_only_random_shapes(triton_backend):
     triton_backend.setenv("FP8LINEAR_TRITON_MODE", "weight_only")
     rng = random.Random(4321)
     dev = torch.device("cuda")
-    for i in range(70):
+    for i in range(50):
         m, n, k = rand_m(rng), rand_dim(rng, 1536), rand_dim(rng, 2048)
         per_row, bias_dt, dt = FAMILIES[i % len(FAMILIES)]
         x, w, w_s, bias = make_case(m, n, k, seed=5000 + i, device=dev, per_row=per_row,
@@ -240,42 +239,39 @@ def test_weight_only_random_shapes(triton_backend):
             check(out, ref.gemm(a, a_s, w, w_s, bias), "weight-only gemm " + what)
 
 
-def _forced_configs():
-    # every tile shape the rules can produce, with and without split-K, plus stages 2
-    out = []
-    for bm, bn, warps in [(16, 64, 4), (32, 64, 4), (64, 64, 4), (64, 128, 4), (128, 128, 8),
-                          (128, 64, 8)]:
-        for split in (1, 3):
-            out.append(tg.Config(bm, bn, warps, 3, split))
-    out.append(tg.Config(16, 64, 4, 2, 16))
-    return out
+# every tile shape the rules can produce, split-K on and off, the deepest split
+FORCED = [tg.Config(16, 64, 4, 3, 1), tg.Config(16, 64, 4, 2, 16), tg.Config(32, 64, 4, 3, 3),
+          tg.Config(64, 64, 4, 3, 1), tg.Config(64, 128, 4, 3, 2), tg.Config(128, 128, 8, 3, 1),
+          tg.Config(128, 64, 8, 3, 3)]
+FORCED_SHAPES = [(1, 200, 1100, False), (45, 130, 640, True), (300, 384, 2000, False)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["native", "weight_only"])
 def test_forced_configs(monkeypatch, mode):
+    """Each config on its own shape (rotating), so every kernel variant is exercised
+    independently of the rules that pick them."""
     if mode == "native" and not _native_ok():
         pytest.skip("native fp8 mode needs sm_89+")
     monkeypatch.setenv("FP8LINEAR_TRITON_MODE", mode)
     dev = torch.device("cuda")
-    shapes = [(1, 200, 1100, False), (45, 130, 640, True), (300, 384, 2000, False)]
-    for cfg in _forced_configs():
-        for j, (m, n, k, per_row) in enumerate(shapes):
-            x, w, w_s, bias = make_case(m, n, k, seed=j, device=dev, per_row=per_row,
-                                        bias_dtype=torch.bfloat16 if j != 1 else None)
-            a, a_s = fp8linear.quantize_activation(x)
-            out = poisoned(m, n, torch.bfloat16, dev)
-            tg.gemm(a, a_s, w, w_s, bias, out, config=cfg)
-            check(out, ref.gemm(a, a_s, w, w_s, bias), f"gemm {cfg} m={m} n={n} k={k}")
-            out = poisoned(m, n, torch.bfloat16, dev)
-            xb = x.to(torch.bfloat16)
-            tg.linear(xb, w, w_s, bias, out, config=cfg)
-            if mode == "native":
-                qa, qs = fp8linear.quantize_activation(xb)
-                want = ref.gemm(qa, qs, w, w_s, bias)
-            else:
-                want = ref_weight_only(xb, w, w_s, bias)
-            check(out, want, f"linear {cfg} m={m} n={n} k={k}")
+    for j, cfg in enumerate(FORCED):
+        m, n, k, per_row = FORCED_SHAPES[j % len(FORCED_SHAPES)]
+        x, w, w_s, bias = make_case(m, n, k, seed=j, device=dev, per_row=per_row,
+                                    bias_dtype=torch.bfloat16 if j % 2 else None)
+        a, a_s = fp8linear.quantize_activation(x)
+        out = poisoned(m, n, torch.bfloat16, dev)
+        tg.gemm(a, a_s, w, w_s, bias, out, config=cfg)
+        check(out, ref.gemm(a, a_s, w, w_s, bias), f"gemm {cfg} m={m} n={n} k={k}")
+        out = poisoned(m, n, torch.bfloat16, dev)
+        xb = x.to(torch.bfloat16)
+        tg.linear(xb, w, w_s, bias, out, config=cfg)
+        if mode == "native":
+            qa, qs = fp8linear.quantize_activation(xb)
+            want = ref.gemm(qa, qs, w, w_s, bias)
+        else:
+            want = ref_weight_only(xb, w, w_s, bias)
+        check(out, want, f"linear {cfg} m={m} n={n} k={k}")
 
 
 @pytest.mark.gpu
