@@ -58,7 +58,6 @@ import argparse
 import contextlib
 import importlib
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -235,7 +234,6 @@ class Libs:
     def _probe_cublas(self):
         """Find how this torch exposes blockwise-scaled cuBLASLt and check it computes the
         right thing (M padded to 4, so M=1 probes the smallest real case)."""
-        torch = self.torch
         for m in (1, 37):
             sd = ShapeData(256, 512, copies=1, bf16_copies=0, seed=123)
             md = MData(sd, m, self, seed=m)
@@ -362,7 +360,7 @@ class MData:
     def __init__(self, sd, m, libs, seed):
         import torch
         import fp8linear
-        n, k = sd.n, sd.k
+        k = sd.k
         g = torch.Generator(device=DEV).manual_seed(seed)
         self.m = m
         self.x = (torch.randn(m, k, device=DEV, generator=g)
@@ -483,7 +481,6 @@ JIT_METHODS = ("deepgemm", "vllm_triton", "fp8linear_triton", "fp8linear", "fp8l
 def warm_worker(spec: str) -> int:
     """Child process: first call of every (method, N, K, M) given, so the JIT caches on disk
     (DeepGEMM's DG_JIT_CACHE_DIR, Triton's) hold every kernel before the timed run."""
-    import torch
     job = json.loads(spec)
     libs = Libs(job["methods"], probe_cublas=False)
     cur = None
@@ -604,7 +601,7 @@ class Sweep:
         return sd
 
     def run_point(self, rep, sd, m):
-        torch, args = self.torch, self.args
+        args = self.args
         n, k = sd.n, sd.k
         md = MData(sd, m, self.libs, seed=args.seed * 7919 + rep * 104729 + m)
         check = rep == 0 and not args.no_check

@@ -37,7 +37,7 @@ import pytest
 import torch
 
 import fp8linear
-from fp8linear.quant import BLOCK, cdiv
+from fp8linear.quant import BLOCK
 
 N_CASES = int(os.environ.get("FP8LINEAR_GPU_CASES", "208"))
 REL_TOL = 2e-3          # relative Frobenius error, whole output (issue 3)
