@@ -279,10 +279,13 @@ def choose_config(m: int, n: int, k: int, a_bytes: int, weight_only: bool,
             extra = 128 * c.bn * 2 + (c.bm * 128 * 2 if a_bytes == 1 else 0)
         return (dev.smem - extra - 4096) // stage
 
-    if weight_only and cfg.bm == 128 and buffers_that_fit(cfg) < 2:
-        cfg = cfg._replace(bm=64, warps=4)      # e.g. fp32 activations on a 100 KB SM
     # Triton keeps num_stages buffers in flight on sm_90+, num_stages - 1 before that.
     extra_stage = 1 if (not dev.hip and dev.capability < (9, 0)) else 0
+    while buffers_that_fit(cfg) + extra_stage < 2 and (cfg.bm > 16 or cfg.bn > 64):
+        # Two stages must fit (e.g. fp32 activations on a 100 KB SM, or a 64 KB LDS):
+        # shrink the tile, rows first.
+        bm, bn = (cfg.bm // 2, cfg.bn) if cfg.bm > 16 else (cfg.bm, 64)
+        cfg = cfg._replace(bm=bm, bn=bn, warps=8 if bm * bn >= 128 * 128 else 4)
     cfg = cfg._replace(stages=max(2, min(cfg.stages, buffers_that_fit(cfg) + extra_stage)))
 
     # Split-K: when the output tiles cannot fill the SMs, split K so that about two waves of
