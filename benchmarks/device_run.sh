@@ -25,8 +25,12 @@
 #   optional    .deepgemm/jit_cache.tgz: a jit_cache.tgz an earlier run returned (DeepGEMM
 #               kernels, and Triton's with COLLECT_TRITON=1): unpacked into /tmp/fp8l_jit,
 #               saving their JIT time (keyed by the include path, hence the fixed paths).
-# vLLM (for the vllm_triton method), when installed into /tmp/vllm-site by
-# ../shared/vllm-device/ on this warm machine, is found and appended to PYTHONPATH.
+#               .deepgemm/vllm_w8a8 (vLLM's Triton block-FP8 GEMM, extracted from the same
+#               wheel) gives the bench its vllm_triton method without a vLLM install.
+# An installed vLLM (in /tmp/vllm-site by ../shared/vllm-device/ on this warm machine) is
+# found, appended to PYTHONPATH and preferred.
+# Typical calls: STEPS=env,build,test,sanitize (no carry needed);
+#                STEPS=env,bench ... --quick | --shapes ds | --shapes llama8b,llama70b | --decode
 #
 # $OUT (at most 8 files come back): device_run.log, junit.xml, bench.json,
 # bench_speedup.png, bench_floor.png, jit_cache.tgz (COLLECT_CACHE=0 to skip).
