@@ -52,7 +52,7 @@ A_QUANT = 3      # bf16/fp16/fp32 activations quantized to fp8 inside the GEMM (
 # subnormals included; the factor goes back in through the scale.
 _DECODE_UNSCALE = 256.0
 
-# linear() quantizes the activations inside the GEMM up to this M (see _plan for why).
+# linear() quantizes the activations inside the GEMM up to this M (see _linear for why).
 FUSE_QUANT_MAX_M = 32
 
 
