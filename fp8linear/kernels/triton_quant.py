@@ -78,7 +78,7 @@ def _capability(index: int):
     return torch.cuda.get_device_capability(index)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "KB"])     # no recompile per batch size
 def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, KB,
                   ROWS: tl.constexpr, GROUPS: tl.constexpr, EVEN_K: tl.constexpr,
                   FP8_MAX_C: tl.constexpr, EPS: tl.constexpr, ROUND_FIRST: tl.constexpr):
