@@ -42,7 +42,11 @@ from fp8linear.quant import BLOCK
 N_CASES = int(os.environ.get("FP8LINEAR_GPU_CASES", "208"))
 REL_TOL = 2e-3          # relative Frobenius error, whole output (issue 3)
 LINE_TOL = 1e-2         # relative error of any single row or column
-ACC_TOL = 2.0 ** -10    # per element, times (|A| |W|^T)_mn: accumulation error allowance
+# Per element, times (|A| |W|^T)_mn: accumulation error allowance. Hopper's fp8 tensor cores
+# keep ~14 bits while accumulating (DeepSeek-V3 report, sec. 3.3.2), aligning addends to the
+# largest exponent: measured on the H100 up to 1.2e-3 x (|A||W|^T) on 3 of 18.8M elements
+# (K=32, sm90 and Triton alike), so 2^-10 was too tight for the hardware, not the kernels.
+ACC_TOL = 2.0 ** -8
 ROUND_TOL = {"bf16": 2.0 ** -7, "fp16": 2.0 ** -10, "fp32": 2.0 ** -21}  # 2x max rounding
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 BACKENDS = ("sm90", "triton")
