@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 
 import vllm
+from vllm.logger import init_logger
 from vllm.model_executor.layers import linear as _linear
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import RoutedExperts, UnquantizedFusedMoEMethod
@@ -28,6 +29,8 @@ from vllm.model_executor.parameter import (BasevLLMParameter, BlockQuantScalePar
 from .sharding import REPLICATED, SPLIT_K, SPLIT_N
 
 VLLM_VERSION = vllm.__version__
+# under "vllm." so that vLLM's logging configuration (handler, format, level) applies
+logger = init_logger("vllm.fp8_blockgemm")
 TESTED_VERSIONS = ("0.24.0", "0.32.0")
 
 __all__ = [

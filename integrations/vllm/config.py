@@ -30,6 +30,7 @@ class Fp8BlockGemmConfig(compat.QuantizationConfig):
         super().__init__()
         self.checkpoint = checkpoint
         self._vllm_config = None  # vLLM's config for the same checkpoint, built on demand
+        self._announced = False
 
     def __repr__(self) -> str:
         return f"Fp8BlockGemmConfig({self.checkpoint or 'online quantization'})"
@@ -78,6 +79,13 @@ class Fp8BlockGemmConfig(compat.QuantizationConfig):
             self._vllm_config.apply_vllm_mapper(hf_to_vllm_mapper)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        if not self._announced:
+            self._announced = True
+            compat.logger.info(
+                "fp8_blockgemm: %s; linear layers run on fp8linear's block-FP8 GEMM, MoE "
+                "experts on vLLM's block-FP8 MoE kernels",
+                "bf16/fp16 checkpoint quantized to 128x128 block FP8 while loading"
+                if self.checkpoint is None else f"{self.checkpoint.method} block-FP8 checkpoint")
         if isinstance(layer, compat.LinearBase):
             if not self.quantizes(prefix):
                 return compat.UnquantizedLinearMethod()

@@ -26,6 +26,8 @@ PROMPT = [1, 331, 40, 273, 459, 113, 88, 401, 17, 245, 302, 64, 199, 480, 7, 356
           95, 267, 33, 508, 150, 211, 386, 74, 290, 443, 12, 169, 327, 58, 237, 470, 101, 314,
           26, 392, 141, 255, 417, 83, 176, 349, 10, 228, 465, 132]
 MAX_TOKENS = 16
+# left in BF16 by `fp8linear quantize --skip` (the checkpoint lists it in ignored_layers)
+SKIPPED_LAYER = "model.layers.1.mlp.down_proj"
 
 
 def _missing() -> str | None:
@@ -72,8 +74,16 @@ def tiny_models(tmp_path_factory) -> dict:
     fp8 = root / "fp8"
     subprocess.run([sys.executable, "-m", "fp8linear.cli", "quantize", str(bf16), str(fp8),
                     "--quiet"], check=True, timeout=300)
+    fp8_skip = root / "fp8_skip"
+    subprocess.run([sys.executable, "-m", "fp8linear.cli", "quantize", str(bf16),
+                    str(fp8_skip), "--quiet", "--skip", SKIPPED_LAYER], check=True, timeout=300)
     ct = tiny_llama.write_compressed_tensors(bf16, root / "ct")
-    return {"bf16": bf16, "fp8": fp8, "ct": ct, "root": root}
+    moe_bf16 = tiny_llama.write_mixtral_bf16(root / "moe_bf16")
+    moe_fp8 = root / "moe_fp8"
+    subprocess.run([sys.executable, "-m", "fp8linear.cli", "quantize", str(moe_bf16),
+                    str(moe_fp8), "--quiet"], check=True, timeout=300)
+    return {"bf16": bf16, "fp8": fp8, "fp8_skip": fp8_skip, "ct": ct, "moe_fp8": moe_fp8,
+            "root": root}
 
 
 ENGINE_RUNS = [
@@ -84,6 +94,12 @@ ENGINE_RUNS = [
     {"name": "bf16_online_eager", "model": "bf16", "quantization": "fp8_blockgemm",
      "enforce_eager": True},
     {"name": "ct_eager", "model": "ct", "quantization": "fp8_blockgemm",
+     "enforce_eager": True},
+    {"name": "fp8_skip_eager", "model": "fp8_skip", "quantization": "fp8_blockgemm",
+     "enforce_eager": True},
+    # vLLM has no FP8 MoE kernel on CPU: this run ends in vLLM's Fp8MoEMethod (see
+    # test_vllm_engine.test_moe_experts_go_to_vllms_block_fp8_moe_method)
+    {"name": "moe_fp8", "model": "moe_fp8", "quantization": "fp8_blockgemm",
      "enforce_eager": True},
 ]
 

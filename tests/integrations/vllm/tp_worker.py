@@ -216,6 +216,50 @@ def case_replicated(cfg, rank, tp, n=200, k=300):
     return compare(run(layer, x), fp8_linear(x, q, s), layer)
 
 
+def case_custom_loader(cfg, rank, tp):
+    """A layer class with its own weight loader: the plugin cannot re-slice its scales, so
+    a misaligned shard must fail at construction (aligned ones load through vLLM's code)."""
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+
+    class CustomMerged(MergedColumnParallelLinear):
+        def weight_loader_v2(self, param, loaded_weight, loaded_shard_id=None):
+            return super().weight_loader_v2(param, loaded_weight, loaded_shard_id)
+
+    try:
+        layer = CustomMerged(256, [384, 384], bias=False, params_dtype=torch.bfloat16,
+                             quant_config=cfg, prefix="model.layers.5.mlp.custom_up")
+    except Exception as e:  # noqa: BLE001 (the error is the result)
+        return {"raised": type(e).__name__, "message": str(e)}
+    mats = [ckpt(384, 256, 61), ckpt(384, 256, 62)]
+    for i, (_, q, s) in enumerate(mats):
+        load(layer.weight, q, i)
+        load(layer.weight_scale_inv, s, i)
+    finish(layer)
+    x = act(256)
+    per = 384 // tp
+    want = torch.cat([fp8_linear(x, q, s)[:, rank * per:(rank + 1) * per]
+                      for _, q, s in mats], dim=1)
+    return compare(run(layer, x), want, layer)
+
+
+def case_bad_scale(cfg, value):
+    """A scale the checkpoint lacks (value None) or holds inf: fails once, at load."""
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+    layer = ReplicatedLinear(256, 256, bias=False, params_dtype=torch.bfloat16,
+                             quant_config=cfg, prefix="model.layers.7.mlp.bad")
+    _, q, s = ckpt(256, 256, 71)
+    load(layer.weight, q)
+    if value is not None:
+        s = s.clone()
+        s[1, 0] = value
+        load(layer.weight_scale_inv, s)
+    try:
+        finish(layer)
+    except Exception as e:  # noqa: BLE001 (the error is the result)
+        return {"raised": type(e).__name__, "message": str(e)}
+    return {"raised": None}
+
+
 def cases(rank, tp):
     from fp8linear_vllm.checkpoint_format import parse_quantization_config
     from fp8linear_vllm.config import Fp8BlockGemmConfig
@@ -236,6 +280,9 @@ def cases(rank, tp):
         "online_qkv_kv1": lambda: case_qkv(online, rank, tp, kv_heads=1, online=True),
         "online_merged_384": lambda: case_merged(online, rank, tp, inter=384, online=True),
         "online_row_384": lambda: case_row(online, rank, tp, k=384, online=True),
+        "custom_loader": lambda: case_custom_loader(fp8, rank, tp),
+        "missing_scale": lambda: case_bad_scale(fp8, None),
+        "inf_scale": lambda: case_bad_scale(fp8, float("inf")),
     }
 
 

@@ -1,0 +1,108 @@
+"""integrations/vllm/config.py through vLLM's own configuration path (EngineArgs ->
+VllmConfig: no model is loaded): which checkpoints ``fp8_blockgemm`` takes over, and the
+errors for the ones it cannot serve."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import MISSING
+
+if MISSING is None:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # what every vLLM process does at start: registers the plugin
+
+    from fp8linear_vllm.checkpoint_format import parse_quantization_config
+    from fp8linear_vllm.config import Fp8BlockGemmConfig
+
+FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+       "weight_block_size": [128, 128]}
+
+
+@pytest.fixture
+def config_dir(tiny_models, tmp_path):
+    """A copy of the tiny checkpoint's config.json with a chosen quantization_config
+    (vLLM reads only the config here)."""
+    def make(quant_cfg):
+        cfg = json.loads((tiny_models["bf16"] / "config.json").read_text())
+        if quant_cfg is not None:
+            cfg["quantization_config"] = quant_cfg
+        d = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+        shutil.copy(tiny_models["bf16"] / "model.safetensors", d / "model.safetensors")
+        return str(d)
+    return make
+
+
+def engine_config(model, quantization):
+    return EngineArgs(model=model, quantization=quantization,
+                      skip_tokenizer_init=True).create_engine_config()
+
+
+def test_block_fp8_checkpoint_taken_over_only_when_asked(config_dir):
+    d = config_dir(FP8)
+    ours = engine_config(d, "fp8_blockgemm")
+    assert ours.model_config.quantization == "fp8_blockgemm"
+    assert type(ours.quant_config).__name__ == "Fp8BlockGemmConfig"
+    assert ours.quant_config.checkpoint.scale_name == "weight_scale_inv"
+    # plain fp8 (asked for, or read from the checkpoint) stays vLLM's
+    for asked in ("fp8", None):
+        vc = engine_config(d, asked)
+        assert vc.model_config.quantization == "fp8"
+        assert type(vc.quant_config).__name__ == "Fp8Config"
+
+
+def test_bf16_checkpoint_is_quantized_online(config_dir):
+    vc = engine_config(config_dir(None), "fp8_blockgemm")
+    assert vc.model_config.quantization == "fp8_blockgemm"
+    assert vc.quant_config.checkpoint is None
+
+
+@pytest.mark.parametrize("quant_cfg,match", [
+    (dict(FP8, weight_block_size=[64, 64]), r"unsupported weight_block_size \[64, 64\]"),
+    (dict(FP8, weight_block_size=None), "per-tensor FP8"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+      "version": "gemm"}, "quant_method 'awq'"),
+])
+def test_unsupported_checkpoint_fails_at_config_time(config_dir, quant_cfg, match):
+    with pytest.raises(ValueError, match=match):
+        engine_config(config_dir(quant_cfg), "fp8_blockgemm")
+
+
+def test_override_takes_hf_config_keyword_and_never_hijacks():
+    assert Fp8BlockGemmConfig.override_quantization_method(FP8, "fp8_blockgemm",
+                                                           hf_config=None) == "fp8_blockgemm"
+    assert Fp8BlockGemmConfig.override_quantization_method(FP8, "fp8", hf_config=None) is None
+    assert Fp8BlockGemmConfig.override_quantization_method(FP8, None) is None
+
+
+def test_interface_values():
+    import torch
+    cfg = Fp8BlockGemmConfig.from_config(FP8)
+    assert cfg.get_name() == "fp8_blockgemm"
+    assert torch.bfloat16 in cfg.get_supported_act_dtypes()
+    assert cfg.get_min_capability() == 89
+    assert cfg.get_config_filenames() == []
+
+
+def test_ignored_layers_and_targets():
+    cfg = Fp8BlockGemmConfig(parse_quantization_config(
+        dict(FP8, ignored_layers=["model.layers.0.mlp.down_proj", "model.layers.1.self_attn"])))
+    cfg.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    assert not cfg.quantizes("model.layers.0.mlp.down_proj")
+    assert not cfg.quantizes("model.layers.1.self_attn.qkv_proj")
+    assert cfg.quantizes("model.layers.0.self_attn.qkv_proj")
+    assert cfg.quantizes("model.layers.1.mlp.down_proj")
+    ct = Fp8BlockGemmConfig(parse_quantization_config({
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": [],
+        "config_groups": {"g": {"targets": ["re:.*mlp.*"], "weights": {
+            "num_bits": 8, "type": "float", "strategy": "block",
+            "block_structure": [128, 128]}}}}))
+    assert ct.quantizes("model.layers.0.mlp.down_proj")
+    assert not ct.quantizes("model.layers.0.self_attn.o_proj")
+    assert Fp8BlockGemmConfig().quantizes("anything")     # online: every linear layer
