@@ -130,3 +130,14 @@ def test_bad_scales_fail_at_load_naming_the_layer(ranks, case, needle):
     assert res["raised"] == "ValueError", res
     assert "model.layers.7.mlp.bad.weight_scale_inv" in res["message"], res
     assert needle in res["message"], res
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_online_quantization_is_layer_by_layer(ranks, tp):
+    for rank in range(tp):
+        res = _result(ranks, tp, rank, "online_layerwise")
+        assert res["created_on_meta"] == [True, True], res
+        assert res["after_first_shard"] == ["meta", False], res
+        assert res["after_last_shard"] == ["torch.float8_e4m3fn", "cpu",
+                                           [6 // tp, 2]], res
+        assert res["other_layer"] == [True], res

@@ -260,6 +260,25 @@ def case_bad_scale(cfg, value):
     return {"raised": None}
 
 
+def case_online_layerwise(cfg, rank, tp):
+    """Online quantization happens per layer, the moment its last shard is loaded: before
+    that the weight has no storage (meta device), after it the layer holds FP8 only."""
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+    a, b = (MergedColumnParallelLinear(256, [384, 384], bias=False,
+                                       params_dtype=torch.bfloat16, quant_config=cfg,
+                                       prefix=f"model.layers.{i}.mlp.gate_up_proj")
+            for i in (0, 1))
+    state = {"created_on_meta": [a.weight.is_meta, b.weight.is_meta]}
+    gate, up = ckpt(384, 256, 81)[0], ckpt(384, 256, 82)[0]
+    load(a.weight, gate, 0)
+    state["after_first_shard"] = [str(a.weight.device), hasattr(a, "weight_scale_inv")]
+    load(a.weight, up, 1)  # the last shard: quantized now, no process_weights call needed
+    state["after_last_shard"] = [str(a.weight.dtype), str(a.weight.device),
+                                 list(a.weight_scale_inv.shape)]
+    state["other_layer"] = [b.weight.is_meta]
+    return state
+
+
 def cases(rank, tp):
     from fp8linear_vllm.checkpoint_format import parse_quantization_config
     from fp8linear_vllm.config import Fp8BlockGemmConfig
@@ -281,6 +300,7 @@ def cases(rank, tp):
         "online_merged_384": lambda: case_merged(online, rank, tp, inter=384, online=True),
         "online_row_384": lambda: case_row(online, rank, tp, k=384, online=True),
         "custom_loader": lambda: case_custom_loader(fp8, rank, tp),
+        "online_layerwise": lambda: case_online_layerwise(online, rank, tp),
         "missing_scale": lambda: case_bad_scale(fp8, None),
         "inf_scale": lambda: case_bad_scale(fp8, float("inf")),
     }
