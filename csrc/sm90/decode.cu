@@ -29,6 +29,12 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
   std::string e = make_tensor_map_2d(&tw, d.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, d.N, d.K, d.K,
                                      kDecodeRows, kBlockK, CU_TENSOR_MAP_SWIZZLE_128B);
   if (!e.empty()) return e;
+  CUtensorMap tx = tw;  // unused unless the activations are already fp8
+  if (d.x_dtype == kInFP8) {
+    e = make_tensor_map_2d(&tx, d.x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, d.M, d.K, d.K, BT, kBlockK,
+                           CU_TENSOR_MAP_SWIZZLE_128B);
+    if (!e.empty()) return e;
+  }
   auto kernel = fp8_decode_kernel<BT, kPerRow, OutT>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return cudaGetErrorString(err);
@@ -46,7 +52,7 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = d.pdl ? 1 : 0;
-  err = cudaLaunchKernelEx(&cfg, kernel, tw, p);
+  err = cudaLaunchKernelEx(&cfg, kernel, tw, tx, p);
   return err == cudaSuccess ? std::string() : std::string(cudaGetErrorString(err));
 }
 

@@ -38,7 +38,7 @@ __host__ __device__ inline DecodeLayout decode_layout(int bt, int kbs, int stage
   l.ws = l.xs + kbs * bt * 4;            // per-token scales [kbs][BT]
   l.bar = l.ws + kbs * (per_row ? kDecodeRows : 1) * 4;
   l.bar = (l.bar + 7) & ~7;
-  l.flag = l.bar + 2 * stages * 8;
+  l.flag = l.bar + (2 * stages + 1) * 8;  // full[stages], empty[stages], x_full
   l.total = l.flag + 16;
   return l;
 }
@@ -56,12 +56,12 @@ struct DecodeParams {
   int M, N, K, num_kb, splits, stages;
 };
 
-// Fill the CTA's activation tiles: [kbs K blocks][BT tokens] groups of 128 channels, each
-// written as one row of a 128B-swizzled K-major tile (16-byte chunk c of row t lands at chunk
-// c ^ (t % 8)) plus its scale. A warp keeps kBatch groups' loads in flight before it uses any:
-// the slice comes from L2, and one round trip per group would serialise the prologue.
-// T = bf16/half: quantize (numerics of fp8linear.quant.quantize_activation);
-// T = uint8_t: already fp8 (block_fp8_gemm), copy the bytes and the given scales.
+// Quantize the CTA's activation slice into its tiles: [kbs K blocks][BT tokens] groups of 128
+// channels, each written as one row of a 128B-swizzled K-major tile (16-byte chunk c of row t
+// lands at chunk c ^ (t % 8)) plus its scale, with the numerics of
+// fp8linear.quant.quantize_activation. A warp keeps kBatch groups' loads in flight before it
+// uses any: the slice comes from L2, and one round trip per group would serialise the
+// prologue.
 template <typename T>
 __device__ __forceinline__ void fill_activation_tiles(const DecodeParams& p, int bt, int m0,
                                                       int kb0, int kbs, uint8_t* sX,
@@ -71,41 +71,22 @@ __device__ __forceinline__ void fill_activation_tiles(const DecodeParams& p, int
   const int groups = bt * kbs;
   for (int g0 = warp; g0 < groups; g0 += kWarps * kBatch) {
     float v[kBatch][4];
-    uint32_t raw[kBatch];
-    float given_scale[kBatch];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int g = g0 + kWarps * b;
       const int t = g % bt, kb = kb0 + g / bt, m = m0 + t;
       const int k0 = kb * kBlockK + lane * 4;
-      const bool live = g < groups && m < p.M;
-      if constexpr (sizeof(T) == 1) {
-        // K % 16 == 0: a lane's 4 bytes are whole or absent
-        raw[b] = live && k0 < p.K ? *reinterpret_cast<const uint32_t*>(
-                                        static_cast<const uint8_t*>(p.x) + size_t(m) * p.K + k0)
-                                  : 0u;
-        given_scale[b] =
-            live ? p.x_scale[size_t(m) * p.xs_stride_m + size_t(kb) * p.xs_stride_kb] : 0.f;
-      } else {
-        v[b][0] = v[b][1] = v[b][2] = v[b][3] = 0.f;
-        if (live) load4(static_cast<const T*>(p.x) + size_t(m) * p.K + k0, k0, p.K, v[b]);
-      }
+      v[b][0] = v[b][1] = v[b][2] = v[b][3] = 0.f;
+      if (g < groups && m < p.M) load4(static_cast<const T*>(p.x) + size_t(m) * p.K + k0, k0, p.K, v[b]);
     }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int g = g0 + kWarps * b;
       if (g >= groups) break;
       const int t = g % bt, i = g / bt;
-      uint32_t packed;
-      float scale;
-      if constexpr (sizeof(T) == 1) {
-        packed = raw[b];
-        scale = given_scale[b];
-      } else if (m0 + t >= p.M) {
-        // padding token (warp-uniform): zeros, no reduction and no divisions
-        packed = 0u;
-        scale = 0.f;
-      } else {
+      uint32_t packed = 0u;
+      float scale = 0.f;
+      if (m0 + t < p.M) {  // padding tokens (warp-uniform) stay zero: no reduction, no division
         float amax = fmaxf(fmaxf(fabsf(v[b][0]), fabsf(v[b][1])),
                            fmaxf(fabsf(v[b][2]), fabsf(v[b][3])));
         amax = warp_max(amax);
@@ -121,7 +102,9 @@ __device__ __forceinline__ void fill_activation_tiles(const DecodeParams& p, int
 
 template <int BT, bool kPerRow, typename OutT>
 __global__ void __launch_bounds__(384, 1)
-    fp8_decode_kernel(const __grid_constant__ CUtensorMap tmap_w, const DecodeParams p) {
+    fp8_decode_kernel(const __grid_constant__ CUtensorMap tmap_w,
+                      const __grid_constant__ CUtensorMap tmap_x,  // fp8 activations (kInFP8)
+                      const DecodeParams p) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                              ~uintptr_t(1023));
@@ -137,7 +120,9 @@ __global__ void __launch_bounds__(384, 1)
   float* sWS = reinterpret_cast<float*>(smem + L.ws);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L.bar);
   uint64_t* empty = full + p.stages;
+  uint64_t* x_full = empty + p.stages;
   int* flag = reinterpret_cast<int*>(smem + L.flag);
+  const bool x_is_fp8 = p.x_dtype == kInFP8;
 
   const int n0 = blockIdx.x * kDecodeRows;
   const int m0 = blockIdx.y * BT;
@@ -150,8 +135,10 @@ __global__ void __launch_bounds__(384, 1)
       mbar_init(&full[s], 1);
       mbar_init(&empty[s], 8);  // the 8 math warps
     }
+    mbar_init(x_full, 1);
     fence_barrier_init();
     tma_prefetch_desc(&tmap_w);
+    if (x_is_fp8) tma_prefetch_desc(&tmap_x);
   }
   __syncthreads();
 
@@ -161,11 +148,21 @@ __global__ void __launch_bounds__(384, 1)
     if (warp == 8 && lane == 0) {
       // Weights are not written by the previous kernel: stream them before griddepcontrol.wait.
       const uint64_t once = l2_policy_evict_first();
+      const int first = kbs < p.stages ? kbs : p.stages;
       for (int i = 0; i < kbs; ++i) {
         const int s = i % p.stages;
         mbar_wait(&empty[s], ((i / p.stages) & 1) ^ 1);
         mbar_arrive_expect_tx(&full[s], kDecodeWTile);
         tma_load_2d(sW + s * kDecodeWTile, &tmap_w, &full[s], (kb0 + i) * kBlockK, n0, once);
+        if (x_is_fp8 && i == first - 1) {
+          // Pre-quantized activations: one TMA per K block straight into the swizzled
+          // tiles (rows past M and K are zero-filled), once the previous kernel is done.
+          const uint64_t keep = l2_policy_evict_last();  // every weight-row CTA reads them
+          pdl_wait();
+          mbar_arrive_expect_tx(x_full, kbs * BT * kBlockK);
+          for (int j = 0; j < kbs; ++j)
+            tma_load_2d(sX + j * BT * kBlockK, &tmap_x, x_full, (kb0 + j) * kBlockK, m0, keep);
+        }
       }
     }
     return;
@@ -176,9 +173,14 @@ __global__ void __launch_bounds__(384, 1)
   const int tid = threadIdx.x;  // 0..255
   pdl_wait();                   // activations come from the previous kernel
   // 1. quantize the activation slice [BT tokens x kbs blocks] into shared memory
-  if (p.x_dtype == kInFP8)
-    fill_activation_tiles<uint8_t>(p, BT, m0, kb0, kbs, sX, sXS, warp, lane);
-  else if (p.x_dtype == kInFP16)
+  if (x_is_fp8) {
+    // the tiles come by TMA (producer); only the scales here
+    for (int e = tid; e < BT * kbs; e += 256) {
+      const int t = e % BT, i = e / BT, m = m0 + t;
+      sXS[e] = m < p.M ? p.x_scale[size_t(m) * p.xs_stride_m + size_t(kb0 + i) * p.xs_stride_kb]
+                       : 0.f;
+    }
+  } else if (p.x_dtype == kInFP16)
     fill_activation_tiles<__half>(p, BT, m0, kb0, kbs, sX, sXS, warp, lane);
   else
     fill_activation_tiles<__nv_bfloat16>(p, BT, m0, kb0, kbs, sX, sXS, warp, lane);
@@ -194,6 +196,7 @@ __global__ void __launch_bounds__(384, 1)
   }
   fence_proxy_async_smem();  // the fp8 tiles are read by wgmma (async proxy)
   named_barrier(1, 256);
+  if (x_is_fp8) mbar_wait(x_full, 0);
   pdl_launch_dependents();   // the next kernel may start streaming its weights
 
   // 2. main loop

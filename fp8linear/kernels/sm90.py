@@ -93,8 +93,14 @@ def _scale_t(a_scale, m):
     return t
 
 
+def _tma_aligned(*ts) -> bool:
+    # TMA descriptors need 16-byte aligned base addresses; views at odd offsets go to Triton.
+    return all(t.data_ptr() % 16 == 0 for t in ts)
+
+
 def gemm(a, a_scale, w, w_scale, bias, out):
-    if out.dtype == torch.float32:  # the CUDA epilogue writes 16-bit outputs only
+    # the CUDA epilogue writes 16-bit outputs only
+    if out.dtype == torch.float32 or not _tma_aligned(a, w, out):
         return _fallback().gemm(a, a_scale, w, w_scale, bias, out)
     m, k = a.shape
     n = w.shape[0]
@@ -106,7 +112,7 @@ def gemm(a, a_scale, w, w_scale, bias, out):
 
 
 def linear(x, w, w_scale, bias, out):
-    if out.dtype == torch.float32:
+    if out.dtype == torch.float32 or not _tma_aligned(x, w, out):
         return _fallback().linear(x, w, w_scale, bias, out)
     m, k = x.shape
     n = w.shape[0]
