@@ -22,7 +22,7 @@ from .linear_method import COUNT_CALLS, Fp8BlockGemmLinearMethod, set_plain_para
 
 # fp32 working set of one quantization step: rows per slab chosen so that a slab's float
 # copies stay near this many elements (a multiple of 128 rows keeps blocks whole).
-_SLAB_ELEMS = 16 * 2**20
+_SLAB_ELEMS = 4 * 2**20
 
 
 def quantize_in_slabs(w: torch.Tensor):

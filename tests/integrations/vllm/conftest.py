@@ -21,11 +21,7 @@ sys.path.insert(0, str(HERE))  # tiny_llama, shared by the tests and the runner 
 
 import tiny_llama  # noqa: E402
 
-# 48 prompt tokens drawn once (fixed), never a special id
-PROMPT = [1, 331, 40, 273, 459, 113, 88, 401, 17, 245, 302, 64, 199, 480, 7, 356, 122, 421,
-          95, 267, 33, 508, 150, 211, 386, 74, 290, 443, 12, 169, 327, 58, 237, 470, 101, 314,
-          26, 392, 141, 255, 417, 83, 176, 349, 10, 228, 465, 132]
-MAX_TOKENS = 16
+PROMPT, MAX_TOKENS = tiny_llama.PROMPT, tiny_llama.MAX_TOKENS
 # left in BF16 by `fp8linear quantize --skip` (the checkpoint lists it in ignored_layers)
 SKIPPED_LAYER = "model.layers.1.mlp.down_proj"
 

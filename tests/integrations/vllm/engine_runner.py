@@ -3,7 +3,9 @@
 usage: python engine_runner.py SPEC.json OUT.json
 
 SPEC: {"runs": [{"name", "model", "quantization" (or null), "enforce_eager",
-                 "prompt" (token ids), "max_tokens", "llm_kwargs" (optional)}, ...]}
+                 "prompt" (token ids), "max_tokens", "llm_kwargs" (optional),
+                 "layer_check" (optional, GPU)}, ...],
+       "forbid_reference": optional (GPU: the torch reference GEMM must not run)}
 OUT:  {name: {"prompt_logprobs": [logprob of prompt token i+1 given tokens 0..i, ...],
               "prompt_top": [{token: logprob} top-5 at each prompt position, ...],
               "tokens": [greedy ids], "token_logprobs": [...], "token_top": [...],
@@ -50,6 +52,51 @@ def inspect_model(model):
     return rows
 
 
+def check_layers_on_device(model):
+    """GPU runs: which fp8linear backend each FP8 layer's shapes dispatch to, and how its
+    output on the device compares with the torch reference GEMM on the CPU."""
+    import torch
+
+    from fp8linear import fp8_linear
+    from fp8linear.kernels import heuristics
+    from fp8linear.quant import quantize_activation, reference_gemm
+    from vllm.model_executor.layers.linear import LinearBase
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for name, mod in model.named_modules():
+        qm = getattr(mod, "quant_method", None)
+        if not isinstance(mod, LinearBase) or not hasattr(qm, "scale_name"):
+            continue
+        w, s = mod.weight, getattr(mod, qm.scale_name)
+        n, k = w.shape
+        backends = {m: heuristics.backend_for(w.device, m, n, k).name for m in (1, 64, 512)}
+        errs = {}
+        for m in (3, 200):
+            x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+            got = fp8_linear(x.to(w.device), w, s).float().cpu()
+            xq, xs = quantize_activation(x)
+            want = reference_gemm(xq, xs, w.cpu(), s.cpu(), out_dtype=torch.float32)
+            errs[m] = float((got - want).norm() / want.norm())
+        rows.append({"name": name, "backends": backends, "rel_err": errs,
+                     "device": str(w.device)})
+    return rows
+
+
+def forbid_reference_backend():
+    """Any call of the torch reference GEMM with CUDA tensors raises: a GPU run that
+    completes ran our CUDA/Triton kernels only."""
+    from fp8linear.kernels import reference
+
+    def refusing(fn):
+        def call(*args, **kwargs):
+            if any(getattr(a, "is_cuda", False) for a in args):
+                raise RuntimeError("fp8linear's torch reference backend ran on a GPU tensor")
+            return fn(*args, **kwargs)
+        return call
+
+    reference.gemm, reference.linear = refusing(reference.gemm), refusing(reference.linear)
+
+
 def run_one(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -60,9 +107,13 @@ def run_one(spec: dict) -> dict:
     if spec.get("quantization"):
         kw["quantization"] = spec["quantization"]
     kw.update(spec.get("llm_kwargs") or {})
+    import torch
     t0 = time.time()
     llm = LLM(**kw)
     t1 = time.time()
+    # GPU: the allocator's peak up to here (weights, profiling run, KV cache); the peak
+    # right after loading is in vLLM's debug log (benchmarks/vllm_device reads it there)
+    cuda_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 16),
                             logprobs=5, prompt_logprobs=5, detokenize=False, ignore_eos=True)
@@ -82,7 +133,10 @@ def run_one(spec: dict) -> dict:
                            if lp.rank is not None and lp.rank <= 5}
                           for d in out.outputs[0].logprobs],
             "layers": llm.apply_model(inspect_model)[0],
+            "device_layers": (llm.apply_model(check_layers_on_device)[0]
+                              if spec.get("layer_check") else None),
             "start_s": round(t1 - t0, 1), "generate_s": round(t2 - t1, 2),
+            "cuda_peak_after_start_bytes": cuda_peak,
         }
     finally:
         del llm
@@ -97,6 +151,8 @@ def run_one(spec: dict) -> dict:
 
 def main(spec_path: str, out_path: str) -> int:
     spec = json.loads(open(spec_path).read())
+    if spec.get("forbid_reference"):
+        forbid_reference_backend()
     results = {}
     for run in spec["runs"]:
         try:

@@ -22,6 +22,12 @@ KV_HEADS = 1
 INTERMEDIATE = 384
 VOCAB = 512
 
+# the prompt of the engine checks: 48 token ids drawn once (fixed), none a special id
+PROMPT = [1, 331, 40, 273, 459, 113, 88, 401, 17, 245, 302, 64, 199, 480, 7, 356, 122, 421,
+          95, 267, 33, 508, 150, 211, 386, 74, 290, 443, 12, 169, 327, 58, 237, 470, 101, 314,
+          26, 392, 141, 255, 417, 83, 176, 349, 10, 228, 465, 132]
+MAX_TOKENS = 16
+
 LINEAR_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
