@@ -6,8 +6,9 @@ A pattern matches a layer name when it is
 - otherwise a run of whole dotted components of the name: ``lm_head``,
   ``model.layers.0.mlp.down_proj``, ``mlp.gate`` (the MoE router, not ``mlp.gate_proj``),
   ``model.layers.3`` (everything under it).
-vLLM fuses q/k/v and gate/up into one layer; a fused layer is matched through the names of
-its parts (``packed_modules_mapping``), and must be matched by all of them or none.
+vLLM fuses q/k/v and gate/up into one layer; a fused layer is matched by its own name or
+through the names of its parts (``packed_modules_mapping``), which must then all match or
+none.
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def matches_any(prefix: str, patterns: Iterable[str], packed: Mapping[str, list]
     patterns = list(patterns)
     if not patterns:
         return False
+    if any(pattern_matches(p, prefix) for p in patterns):
+        return True  # the fused layer named as vLLM names it
     parts = _part_names(prefix, packed)
     hits = [any(pattern_matches(p, n) for p in patterns) for n in parts]
     if any(hits) and not all(hits):

@@ -2,6 +2,12 @@
 from __future__ import annotations
 
 import pytest
+
+from conftest import MISSING
+
+if MISSING is not None:
+    pytest.skip(MISSING, allow_module_level=True)
+
 import torch
 
 from fp8linear import quantize_weight
