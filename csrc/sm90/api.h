@@ -60,6 +60,6 @@ struct DecodeArgs {
 std::string launch_decode(const DecodeArgs& args, cudaStream_t stream);
 int decode_token_tile(int config);
 // Shared memory the kernel needs for a problem (to check a config fits before launching).
-int decode_smem_bytes(int config, int kb_per_split, int per_row);
+int decode_smem_bytes(int config, int kb_per_split, int per_row, int fused);
 
 }  // namespace fp8l

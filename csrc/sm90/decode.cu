@@ -9,9 +9,9 @@ namespace {
 constexpr int kSmemLimit = 232448;  // sm_90 opt-in dynamic shared memory per block
 constexpr int kMaxStages = 8;       // 8 x 16 KB of weights in flight per SM saturates HBM
 
-int pick_stages(int bt, int kbs, bool per_row) {
-  const int fixed = decode_layout(bt, kbs, 0, per_row).total + 1024;
-  int stages = (kSmemLimit - fixed) / (kDecodeWTile + 16);
+int pick_stages(int bt, int kbs, bool per_row, bool fused) {
+  const DecodeLayout none = decode_layout(bt, kbs, 0, per_row, fused);
+  int stages = (kSmemLimit - none.total - 1024) / (none.stage + 16);
   stages = stages < kMaxStages ? stages : kMaxStages;
   return stages < kbs ? stages : kbs;  // never deeper than the work
 }
@@ -20,11 +20,13 @@ template <int BT, bool kPerRow, typename OutT>
 std::string launch(const DecodeArgs& d, cudaStream_t stream) {
   const int num_kb = (d.K + kBlockK - 1) / kBlockK;
   const int kbs = (num_kb + d.splits - 1) / d.splits;
-  const int stages = pick_stages(BT, kbs, kPerRow);
-  if (stages < 1 || decode_layout(BT, kbs, stages, kPerRow).total + 1024 > kSmemLimit)
+  const bool fused = d.x_dtype != kInFP8;
+  if (fused && BT != 8) return "fused activation quantization needs the 8-token tile (M <= 8)";
+  const int stages = pick_stages(BT, kbs, kPerRow, fused);
+  if (stages < 1 || decode_layout(BT, kbs, stages, kPerRow, fused).total + 1024 > kSmemLimit)
     return "decode config does not fit in shared memory (token tile " + std::to_string(BT) +
            ", " + std::to_string(kbs) + " K blocks per split): use more splits";
-  const int smem = decode_layout(BT, kbs, stages, kPerRow).total + 1024;
+  const int smem = decode_layout(BT, kbs, stages, kPerRow, fused).total + 1024;
   CUtensorMap tw;
   std::string e = make_tensor_map_2d(&tw, d.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, d.N, d.K, d.K,
                                      kDecodeRows, kBlockK, CU_TENSOR_MAP_SWIZZLE_128B);
@@ -69,10 +71,11 @@ std::string dispatch_types(const DecodeArgs& d, cudaStream_t stream) {
 
 int decode_token_tile(int config) { return 8 << config; }
 
-int decode_smem_bytes(int config, int kb_per_split, int per_row) {
+int decode_smem_bytes(int config, int kb_per_split, int per_row, int fused) {
   const int bt = decode_token_tile(config);
-  const int stages = pick_stages(bt, kb_per_split, per_row != 0);
-  return stages < 1 ? -1 : decode_layout(bt, kb_per_split, stages, per_row != 0).total + 1024;
+  const int stages = pick_stages(bt, kb_per_split, per_row != 0, fused != 0);
+  return stages < 1 ? -1
+                    : decode_layout(bt, kb_per_split, stages, per_row != 0, fused != 0).total + 1024;
 }
 
 std::string launch_decode(const DecodeArgs& d, cudaStream_t stream) {

@@ -28,17 +28,21 @@ constexpr int kDecodeRows = 128;                   // weight rows per CTA
 constexpr int kDecodeWTile = kDecodeRows * kBlockK;  // bytes of one weight stage
 
 struct DecodeLayout {
-  int x, xs, ws, bar, flag, total;
+  int stage, x, xs, ws, bar, flag, total;
 };
 // Shared-memory layout (bytes from a 1024-aligned base); host and device agree on it.
-__host__ __device__ inline DecodeLayout decode_layout(int bt, int kbs, int stages, bool per_row) {
+// fused: activations quantized in the kernel into resident tiles [kbs][BT x 128];
+// otherwise each ring stage carries its K block's fp8 activation tile after the weights.
+__host__ __device__ inline DecodeLayout decode_layout(int bt, int kbs, int stages, bool per_row,
+                                                      bool fused) {
   DecodeLayout l;
-  l.x = stages * kDecodeWTile;           // weight ring first (1024-aligned tiles)
-  l.xs = l.x + kbs * bt * kBlockK;       // activation tiles: BT x 128 fp8 per K block
+  l.stage = kDecodeWTile + (fused ? 0 : bt * kBlockK);  // multiples of 1024 (bt >= 8)
+  l.x = stages * l.stage;
+  l.xs = l.x + (fused ? kbs * bt * kBlockK : 0);
   l.ws = l.xs + kbs * bt * 4;            // per-token scales [kbs][BT]
   l.bar = l.ws + kbs * (per_row ? kDecodeRows : 1) * 4;
   l.bar = (l.bar + 7) & ~7;
-  l.flag = l.bar + (2 * stages + 1) * 8;  // full[stages], empty[stages], x_full
+  l.flag = l.bar + 2 * stages * 8;       // full[stages], empty[stages]
   l.total = l.flag + 16;
   return l;
 }
@@ -56,48 +60,25 @@ struct DecodeParams {
   int M, N, K, num_kb, splits, stages;
 };
 
-// Quantize the CTA's activation slice into its tiles: [kbs K blocks][BT tokens] groups of 128
-// channels, each written as one row of a 128B-swizzled K-major tile (16-byte chunk c of row t
-// lands at chunk c ^ (t % 8)) plus its scale, with the numerics of
-// fp8linear.quant.quantize_activation. A warp keeps kBatch groups' loads in flight before it
-// uses any: the slice comes from L2, and one round trip per group would serialise the
-// prologue.
+// Quantize one token's 128 channels (4 per lane, already loaded) into row t of a
+// 128B-swizzled K-major tile (16-byte chunk c of row t lands at chunk c ^ (t % 8)) and its scale.
+__device__ __forceinline__ void quantize_row(const float v[4], uint8_t* tile, float* scale_dst,
+                                             int t, int lane) {
+  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+  amax = warp_max(amax);
+  const float scale = fmaxf(amax, kAmaxEps) / kFp8Max;
+  const uint32_t packed = quantize4(v, scale);
+  *reinterpret_cast<uint32_t*>(tile + t * kBlockK + (((lane / 4) ^ (t % 8)) * 16) +
+                               (lane % 4) * 4) = packed;
+  if (lane == 0) *scale_dst = scale;
+}
+
 template <typename T>
-__device__ __forceinline__ void fill_activation_tiles(const DecodeParams& p, int bt, int m0,
-                                                      int kb0, int kbs, uint8_t* sX,
-                                                      float* sXS, int warp, int lane) {
-  constexpr int kBatch = 8;
-  constexpr int kWarps = 8;
-  const int groups = bt * kbs;
-  for (int g0 = warp; g0 < groups; g0 += kWarps * kBatch) {
-    float v[kBatch][4];
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int g = g0 + kWarps * b;
-      const int t = g % bt, kb = kb0 + g / bt, m = m0 + t;
-      const int k0 = kb * kBlockK + lane * 4;
-      v[b][0] = v[b][1] = v[b][2] = v[b][3] = 0.f;
-      if (g < groups && m < p.M) load4(static_cast<const T*>(p.x) + size_t(m) * p.K + k0, k0, p.K, v[b]);
-    }
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int g = g0 + kWarps * b;
-      if (g >= groups) break;
-      const int t = g % bt, i = g / bt;
-      uint32_t packed = 0u;
-      float scale = 0.f;
-      if (m0 + t < p.M) {  // padding tokens (warp-uniform) stay zero: no reduction, no division
-        float amax = fmaxf(fmaxf(fabsf(v[b][0]), fabsf(v[b][1])),
-                           fmaxf(fabsf(v[b][2]), fabsf(v[b][3])));
-        amax = warp_max(amax);
-        scale = fmaxf(amax, kAmaxEps) / kFp8Max;
-        packed = quantize4(v[b], scale);
-      }
-      uint8_t* row = sX + (i * bt + t) * kBlockK;
-      *reinterpret_cast<uint32_t*>(row + (((lane / 4) ^ (t % 8)) * 16) + (lane % 4) * 4) = packed;
-      if (lane == 0) sXS[i * bt + t] = scale;
-    }
-  }
+__device__ __forceinline__ void load_row(const DecodeParams& p, int m, int kb, int lane,
+                                         float v[4]) {
+  const int k0 = kb * kBlockK + lane * 4;
+  v[0] = v[1] = v[2] = v[3] = 0.f;
+  load4(static_cast<const T*>(p.x) + size_t(m) * p.K + k0, k0, p.K, v);
 }
 
 template <int BT, bool kPerRow, typename OutT>
@@ -113,16 +94,16 @@ __global__ void __launch_bounds__(384, 1)
   const int split = blockIdx.z;
   const int kb0 = split * base + min(split, rem);
   const int kbs = base + (split < rem ? 1 : 0);
-  const DecodeLayout L = decode_layout(BT, (p.num_kb + p.splits - 1) / p.splits, p.stages, kPerRow);
-  uint8_t* sW = smem;
-  uint8_t* sX = smem + L.x;
+  const bool fused = p.x_dtype != kInFP8;  // host guarantees BT == 8 then
+  const DecodeLayout L =
+      decode_layout(BT, (p.num_kb + p.splits - 1) / p.splits, p.stages, kPerRow, fused);
+  uint8_t* sW = smem;            // stage s at sW + s * L.stage: weights, then (fp8) activations
+  uint8_t* sX = smem + L.x;      // fused: resident quantized tiles
   float* sXS = reinterpret_cast<float*>(smem + L.xs);
   float* sWS = reinterpret_cast<float*>(smem + L.ws);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L.bar);
   uint64_t* empty = full + p.stages;
-  uint64_t* x_full = empty + p.stages;
   int* flag = reinterpret_cast<int*>(smem + L.flag);
-  const bool x_is_fp8 = p.x_dtype == kInFP8;
 
   const int n0 = blockIdx.x * kDecodeRows;
   const int m0 = blockIdx.y * BT;
@@ -135,10 +116,9 @@ __global__ void __launch_bounds__(384, 1)
       mbar_init(&full[s], 1);
       mbar_init(&empty[s], 8);  // the 8 math warps
     }
-    mbar_init(x_full, 1);
     fence_barrier_init();
     tma_prefetch_desc(&tmap_w);
-    if (x_is_fp8) tma_prefetch_desc(&tmap_x);
+    if (!fused) tma_prefetch_desc(&tmap_x);
   }
   __syncthreads();
 
@@ -148,20 +128,25 @@ __global__ void __launch_bounds__(384, 1)
     if (warp == 8 && lane == 0) {
       // Weights are not written by the previous kernel: stream them before griddepcontrol.wait.
       const uint64_t once = l2_policy_evict_first();
+      const uint64_t keep = l2_policy_evict_last();  // activations: read by every row CTA
       const int first = kbs < p.stages ? kbs : p.stages;
+      const uint32_t bytes = kDecodeWTile + (fused ? 0 : BT * kBlockK);
       for (int i = 0; i < kbs; ++i) {
         const int s = i % p.stages;
         mbar_wait(&empty[s], ((i / p.stages) & 1) ^ 1);
-        mbar_arrive_expect_tx(&full[s], kDecodeWTile);
-        tma_load_2d(sW + s * kDecodeWTile, &tmap_w, &full[s], (kb0 + i) * kBlockK, n0, once);
-        if (x_is_fp8 && i == first - 1) {
-          // Pre-quantized activations: one TMA per K block straight into the swizzled
-          // tiles (rows past M and K are zero-filled), once the previous kernel is done.
-          const uint64_t keep = l2_policy_evict_last();  // every weight-row CTA reads them
+        mbar_arrive_expect_tx(&full[s], bytes);
+        tma_load_2d(sW + s * L.stage, &tmap_w, &full[s], (kb0 + i) * kBlockK, n0, once);
+        if (fused) continue;
+        if (i == first - 1) {
+          // The first stages' weights are on their way; the activations were written by the
+          // previous kernel, so wait for it before loading them (rows past M read as zero).
           pdl_wait();
-          mbar_arrive_expect_tx(x_full, kbs * BT * kBlockK);
-          for (int j = 0; j < kbs; ++j)
-            tma_load_2d(sX + j * BT * kBlockK, &tmap_x, x_full, (kb0 + j) * kBlockK, m0, keep);
+          for (int j = 0; j < first; ++j)
+            tma_load_2d(sW + j * L.stage + kDecodeWTile, &tmap_x, &full[j],
+                        (kb0 + j) * kBlockK, m0, keep);
+        } else if (i >= first) {
+          tma_load_2d(sW + s * L.stage + kDecodeWTile, &tmap_x, &full[s], (kb0 + i) * kBlockK,
+                      m0, keep);
         }
       }
     }
@@ -172,18 +157,33 @@ __global__ void __launch_bounds__(384, 1)
   reg_alloc<232>();
   const int tid = threadIdx.x;  // 0..255
   pdl_wait();                   // activations come from the previous kernel
-  // 1. quantize the activation slice [BT tokens x kbs blocks] into shared memory
-  if (x_is_fp8) {
-    // the tiles come by TMA (producer); only the scales here
+  // fused: warp t owns token m0 + t (BT == 8 == math warps); live warps quantize K block 0
+  // now and keep the next block's values in registers, padding tokens stay zero.
+  const bool live = fused && m0 + warp < p.M;
+  float xv[4];
+  if (fused) {
+    if (live) {
+      if (p.x_dtype == kInFP16) load_row<__half>(p, m0 + warp, kb0, lane, xv);
+      else load_row<__nv_bfloat16>(p, m0 + warp, kb0, lane, xv);
+      quantize_row(xv, sX, sXS + warp, warp, lane);
+      if (kbs > 1) {
+        if (p.x_dtype == kInFP16) load_row<__half>(p, m0 + warp, kb0 + 1, lane, xv);
+        else load_row<__nv_bfloat16>(p, m0 + warp, kb0 + 1, lane, xv);
+      }
+    } else {
+      for (int i = 0; i < kbs; ++i) {
+        *reinterpret_cast<uint32_t*>(sX + i * BT * kBlockK + warp * kBlockK + lane * 4) = 0u;
+        if (lane == 0) sXS[i * BT + warp] = 0.f;
+      }
+    }
+  } else {
+    // the tiles come by TMA with the weights; the scales here
     for (int e = tid; e < BT * kbs; e += 256) {
       const int t = e % BT, i = e / BT, m = m0 + t;
       sXS[e] = m < p.M ? p.x_scale[size_t(m) * p.xs_stride_m + size_t(kb0 + i) * p.xs_stride_kb]
                        : 0.f;
     }
-  } else if (p.x_dtype == kInFP16)
-    fill_activation_tiles<__half>(p, BT, m0, kb0, kbs, sX, sXS, warp, lane);
-  else
-    fill_activation_tiles<__nv_bfloat16>(p, BT, m0, kb0, kbs, sX, sXS, warp, lane);
+  }
   // and the weight scales of this K range
   if constexpr (kPerRow) {
     for (int e = tid; e < kbs * kDecodeRows; e += 256) {
@@ -196,7 +196,6 @@ __global__ void __launch_bounds__(384, 1)
   }
   fence_proxy_async_smem();  // the fp8 tiles are read by wgmma (async proxy)
   named_barrier(1, 256);
-  if (x_is_fp8) mbar_wait(x_full, 0);
   pdl_launch_dependents();   // the next kernel may start streaming its weights
 
   // 2. main loop
@@ -209,9 +208,18 @@ __global__ void __launch_bounds__(384, 1)
   const int cq = 2 * (lane % 4);              // accumulator cols 8j + cq, +1 (tokens)
   for (int i = 0; i < kbs; ++i) {
     const int s = i % p.stages;
+    if (live && i + 1 < kbs) {
+      // quantize K block i+1 (values loaded last step), then load block i+2's values
+      quantize_row(xv, sX + (i + 1) * BT * kBlockK, sXS + (i + 1) * BT + warp, warp, lane);
+      if (i + 2 < kbs) {
+        if (p.x_dtype == kInFP16) load_row<__half>(p, m0 + warp, kb0 + i + 2, lane, xv);
+        else load_row<__nv_bfloat16>(p, m0 + warp, kb0 + i + 2, lane, xv);
+      }
+    }
     mbar_wait(&full[s], (i / p.stages) & 1);
-    const uint64_t da = make_smem_desc_sw128(sW + s * kDecodeWTile + wg * 64 * kBlockK);
-    const uint64_t db = make_smem_desc_sw128(sX + i * BT * kBlockK);
+    const uint64_t da = make_smem_desc_sw128(sW + s * L.stage + wg * 64 * kBlockK);
+    const uint64_t db = make_smem_desc_sw128(fused ? sX + i * BT * kBlockK
+                                                   : sW + s * L.stage + kDecodeWTile);
 #pragma unroll
     for (int r = 0; r < kRegs; ++r) fence_operand(part[r]);
     wgmma_fence();
@@ -238,6 +246,11 @@ __global__ void __launch_bounds__(384, 1)
       acc[4 * j + 1] = fmaf(part[4 * j + 1], w0 * x1, acc[4 * j + 1]);
       acc[4 * j + 2] = fmaf(part[4 * j + 2], w1 * x0, acc[4 * j + 2]);
       acc[4 * j + 3] = fmaf(part[4 * j + 3], w1 * x1, acc[4 * j + 3]);
+    }
+    if (fused && i + 1 < kbs) {
+      // tile i+1 and its scales (ordinary stores) must be complete before its wgmma
+      fence_proxy_async_smem();
+      named_barrier(1, 256);
     }
   }
 

@@ -87,27 +87,33 @@ SM90_FUSE_QUANT_MAX_M = 8
 
 
 def sm90_fuse_quant(m: int) -> bool:
-    # Fusing activation quantization into the decode kernel saves a launch, but every CTA of a
-    # token tile re-quantizes the same activation slice (once per 128 weight rows). Up to 8
-    # tokens that is cheaper than a second kernel; above, the separate quant kernel wins
-    # (measured: M=64 on 4096x4096, 41.9 us fused vs 17.2 us for the GEMM alone).
+    # Fusing activation quantization into the decode kernel saves a launch (~3-5 us in a
+    # graph), but every CTA re-quantizes its activation slice (once per 128 weight rows). The
+    # kernel gives one math warp per token, so fusing covers the 8-token tile; above, the
+    # separate quant kernel + fp8 decode wins (measured v1: M=64 on 4096x4096, 41.9 us fused
+    # vs 17.2 us for the GEMM alone).
     return m <= SM90_FUSE_QUANT_MAX_M
 
 
 @functools.lru_cache(maxsize=4096)
-def sm90_plan(m: int, n: int, k: int, num_sms: int):
-    """-> ("decode", config, splits) or ("gemm", config). Cached: shapes repeat every step."""
+def sm90_plan(m: int, n: int, k: int, num_sms: int, fused: bool = False):
+    """-> ("decode", config, splits) or ("gemm", config). Cached: shapes repeat every step.
+
+    fused: the activations arrive in bf16/fp16 and the decode kernel quantizes them itself.
+    """
     num_kb = _cdiv(k, 128)
     if m <= SM90_DECODE_MAX_M:
         # Decode is bound by reading the weights once. Swap-AB puts the tokens on wgmma's
         # narrow side: the smallest token tile >= M wastes no tensor-core work on padding.
         config = next(i for i, t in enumerate(SM90_DECODE_TILES) if t >= m)
-        tiles = _cdiv(n, SM90_DECODE_ROWS) * _cdiv(m, SM90_DECODE_TILES[config])
+        bt = SM90_DECODE_TILES[config]
+        tiles = _cdiv(n, SM90_DECODE_ROWS) * _cdiv(m, bt)
         # Split K until every SM streams weights; the largest split count that still fits in
         # one wave (tiles * splits <= SMs) avoids a second, mostly idle wave.
         splits = max(1, min(num_kb, num_sms // tiles))
-        # The CTA keeps its whole quantized activation slice in shared memory (<= 64 KB).
-        max_kb = max(1, 65536 // (SM90_DECODE_TILES[config] * 128))
+        # Shared memory holds per-CTA activation state for the whole K range: the quantized
+        # tiles when fused (8 x 128 B per K block, <= 64 KB), else the scales (<= 32 KB).
+        max_kb = 65536 // (bt * 128) if fused else 32768 // (bt * 4)
         splits = max(splits, _cdiv(num_kb, max_kb))
         return ("decode", config, min(splits, num_kb))
     # Large M: 128x128 tiles (two math warpgroups) unless that leaves most SMs idle, where

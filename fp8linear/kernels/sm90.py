@@ -116,10 +116,11 @@ def linear(x, w, w_scale, bias, out):
         return _fallback().linear(x, w, w_scale, bias, out)
     m, k = x.shape
     n = w.shape[0]
-    plan = heuristics.sm90_plan(m, n, k, _num_sms(x.device.index))
-    if plan[0] == "decode" and heuristics.sm90_fuse_quant(m) and x.dtype != torch.float32:
+    if heuristics.sm90_fuse_quant(m) and x.dtype != torch.float32:
+        plan = heuristics.sm90_plan(m, n, k, _num_sms(x.device.index), True)
         _decode(x, None, w, w_scale, bias, out, plan[1], plan[2])
         return
+    plan = heuristics.sm90_plan(m, n, k, _num_sms(x.device.index))
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     scale_t = torch.empty(cdiv(k, BLOCK), cdiv(m, 4) * 4, dtype=torch.float32, device=x.device)
     build.load().quant(x, q, scale_t)
