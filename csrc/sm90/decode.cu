@@ -31,12 +31,17 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
   std::string e = make_tensor_map_2d(&tw, d.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, d.N, d.K, d.K,
                                      kDecodeRows, kBlockK, CU_TENSOR_MAP_SWIZZLE_128B);
   if (!e.empty()) return e;
-  CUtensorMap tx = tw;  // unused unless the activations are already fp8
-  if (d.x_dtype == kInFP8) {
+  // activations: fp8 tiles swizzled for wgmma, or raw 16-bit rows for in-kernel quantization
+  CUtensorMap tx;
+  if (d.x_dtype == kInFP8)
     e = make_tensor_map_2d(&tx, d.x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, d.M, d.K, d.K, BT, kBlockK,
                            CU_TENSOR_MAP_SWIZZLE_128B);
-    if (!e.empty()) return e;
-  }
+  else
+    e = make_tensor_map_2d(&tx, d.x,
+                           d.x_dtype == kInFP16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                           2, d.M, d.K, d.K, BT, kBlockK, CU_TENSOR_MAP_SWIZZLE_NONE);
+  if (!e.empty()) return e;
   auto kernel = fp8_decode_kernel<BT, kPerRow, OutT>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return cudaGetErrorString(err);

@@ -31,14 +31,15 @@ struct DecodeLayout {
   int stage, x, xs, ws, bar, flag, total;
 };
 // Shared-memory layout (bytes from a 1024-aligned base); host and device agree on it.
-// fused: activations quantized in the kernel into resident tiles [kbs][BT x 128];
-// otherwise each ring stage carries its K block's fp8 activation tile after the weights.
+// Each ring stage carries its K block's weight tile and then its activation tile: fp8
+// (swizzled, read by wgmma) or, when fused, the raw bf16/fp16 rows that the math warps
+// quantize into a ring of fp8 slots [stages][BT x 128].
 __host__ __device__ inline DecodeLayout decode_layout(int bt, int kbs, int stages, bool per_row,
                                                       bool fused) {
   DecodeLayout l;
-  l.stage = kDecodeWTile + (fused ? 0 : bt * kBlockK);  // multiples of 1024 (bt >= 8)
+  l.stage = kDecodeWTile + bt * kBlockK * (fused ? 2 : 1);  // multiples of 1024 (bt >= 8)
   l.x = stages * l.stage;
-  l.xs = l.x + (fused ? kbs * bt * kBlockK : 0);
+  l.xs = l.x + (fused ? stages * bt * kBlockK : 0);
   l.ws = l.xs + kbs * bt * 4;            // per-token scales [kbs][BT]
   l.bar = l.ws + kbs * (per_row ? kDecodeRows : 1) * 4;
   l.bar = (l.bar + 7) & ~7;
@@ -71,14 +72,6 @@ __device__ __forceinline__ void quantize_row(const float v[4], uint8_t* tile, fl
   *reinterpret_cast<uint32_t*>(tile + t * kBlockK + (((lane / 4) ^ (t % 8)) * 16) +
                                (lane % 4) * 4) = packed;
   if (lane == 0) *scale_dst = scale;
-}
-
-template <typename T>
-__device__ __forceinline__ void load_row(const DecodeParams& p, int m, int kb, int lane,
-                                         float v[4]) {
-  const int k0 = kb * kBlockK + lane * 4;
-  v[0] = v[1] = v[2] = v[3] = 0.f;
-  load4(static_cast<const T*>(p.x) + size_t(m) * p.K + k0, k0, p.K, v);
 }
 
 template <int BT, bool kPerRow, typename OutT>
@@ -118,7 +111,7 @@ __global__ void __launch_bounds__(384, 1)
     }
     fence_barrier_init();
     tma_prefetch_desc(&tmap_w);
-    if (!fused) tma_prefetch_desc(&tmap_x);
+    tma_prefetch_desc(&tmap_x);
   }
   __syncthreads();
 
@@ -130,13 +123,12 @@ __global__ void __launch_bounds__(384, 1)
       const uint64_t once = l2_policy_evict_first();
       const uint64_t keep = l2_policy_evict_last();  // activations: read by every row CTA
       const int first = kbs < p.stages ? kbs : p.stages;
-      const uint32_t bytes = kDecodeWTile + (fused ? 0 : BT * kBlockK);
+      const uint32_t bytes = L.stage;
       for (int i = 0; i < kbs; ++i) {
         const int s = i % p.stages;
         mbar_wait(&empty[s], ((i / p.stages) & 1) ^ 1);
         mbar_arrive_expect_tx(&full[s], bytes);
         tma_load_2d(sW + s * L.stage, &tmap_w, &full[s], (kb0 + i) * kBlockK, n0, once);
-        if (fused) continue;
         if (i == first - 1) {
           // The first stages' weights are on their way; the activations were written by the
           // previous kernel, so wait for it before loading them (rows past M read as zero).
@@ -157,24 +149,32 @@ __global__ void __launch_bounds__(384, 1)
   reg_alloc<232>();
   const int tid = threadIdx.x;  // 0..255
   pdl_wait();                   // activations come from the previous kernel
-  // fused: warp t owns token m0 + t (BT == 8 == math warps); live warps quantize K block 0
-  // now and keep the next block's values in registers, padding tokens stay zero.
+  // fused: warp t owns token m0 + t (BT == 8 == math warps) and quantizes its raw row of each
+  // stage into the stage's fp8 slot, one K block ahead of the tensor cores; padding tokens'
+  // rows stay zero.
   const bool live = fused && m0 + warp < p.M;
-  float xv[4];
+  auto quantize_stage = [&](int i) {  // K block i (its stage has landed)
+    const int st = i % p.stages;
+    const uint8_t* raw = sW + st * L.stage + kDecodeWTile + warp * kBlockK * 2 + lane * 8;
+    const uint2 bits = *reinterpret_cast<const uint2*>(raw);
+    float v[4];
+    if (p.x_dtype == kInFP16) {
+      const __half* h = reinterpret_cast<const __half*>(&bits);
+      for (int q = 0; q < 4; ++q) v[q] = to_f(h[q]);
+    } else {
+      const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&bits);
+      for (int q = 0; q < 4; ++q) v[q] = to_f(h[q]);
+    }
+    quantize_row(v, sX + st * BT * kBlockK, sXS + i * BT + warp, warp, lane);
+  };
   if (fused) {
     if (live) {
-      if (p.x_dtype == kInFP16) load_row<__half>(p, m0 + warp, kb0, lane, xv);
-      else load_row<__nv_bfloat16>(p, m0 + warp, kb0, lane, xv);
-      quantize_row(xv, sX, sXS + warp, warp, lane);
-      if (kbs > 1) {
-        if (p.x_dtype == kInFP16) load_row<__half>(p, m0 + warp, kb0 + 1, lane, xv);
-        else load_row<__nv_bfloat16>(p, m0 + warp, kb0 + 1, lane, xv);
-      }
+      mbar_wait(&full[0], 0);
+      quantize_stage(0);
     } else {
-      for (int i = 0; i < kbs; ++i) {
-        *reinterpret_cast<uint32_t*>(sX + i * BT * kBlockK + warp * kBlockK + lane * 4) = 0u;
-        if (lane == 0) sXS[i * BT + warp] = 0.f;
-      }
+      for (int st = 0; st < p.stages; ++st)
+        *reinterpret_cast<uint32_t*>(sX + st * BT * kBlockK + warp * kBlockK + lane * 4) = 0u;
+      for (int i = lane; i < kbs; i += 32) sXS[i * BT + warp] = 0.f;
     }
   } else {
     // the tiles come by TMA with the weights; the scales here
@@ -208,17 +208,9 @@ __global__ void __launch_bounds__(384, 1)
   const int cq = 2 * (lane % 4);              // accumulator cols 8j + cq, +1 (tokens)
   for (int i = 0; i < kbs; ++i) {
     const int s = i % p.stages;
-    if (live && i + 1 < kbs) {
-      // quantize K block i+1 (values loaded last step), then load block i+2's values
-      quantize_row(xv, sX + (i + 1) * BT * kBlockK, sXS + (i + 1) * BT + warp, warp, lane);
-      if (i + 2 < kbs) {
-        if (p.x_dtype == kInFP16) load_row<__half>(p, m0 + warp, kb0 + i + 2, lane, xv);
-        else load_row<__nv_bfloat16>(p, m0 + warp, kb0 + i + 2, lane, xv);
-      }
-    }
     mbar_wait(&full[s], (i / p.stages) & 1);
     const uint64_t da = make_smem_desc_sw128(sW + s * L.stage + wg * 64 * kBlockK);
-    const uint64_t db = make_smem_desc_sw128(fused ? sX + i * BT * kBlockK
+    const uint64_t db = make_smem_desc_sw128(fused ? sX + s * BT * kBlockK
                                                    : sW + s * L.stage + kDecodeWTile);
 #pragma unroll
     for (int r = 0; r < kRegs; ++r) fence_operand(part[r]);
@@ -226,6 +218,11 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int kk = 0; kk < kBlockK / 32; ++kk) Mma::mma(part, da + 2 * kk, db + 2 * kk, kk > 0);
     wgmma_commit();
+    if (live && i + 1 < kbs) {
+      // while the tensor cores run block i: quantize block i+1 (a different slot: stages >= 2)
+      mbar_wait(&full[(i + 1) % p.stages], ((i + 1) / p.stages) & 1);
+      quantize_stage(i + 1);
+    }
     wgmma_wait<0>();
 #pragma unroll
     for (int r = 0; r < kRegs; ++r) fence_operand(part[r]);
@@ -248,7 +245,7 @@ __global__ void __launch_bounds__(384, 1)
       acc[4 * j + 3] = fmaf(part[4 * j + 3], w1 * x1, acc[4 * j + 3]);
     }
     if (fused && i + 1 < kbs) {
-      // tile i+1 and its scales (ordinary stores) must be complete before its wgmma
+      // slot i+1 and its scale (ordinary stores) must be complete before its wgmma
       fence_proxy_async_smem();
       named_barrier(1, 256);
     }
