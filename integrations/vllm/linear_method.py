@@ -114,6 +114,7 @@ class Fp8BlockGemmLinearMethod(compat.LinearMethodBase):
 
     # ------------------------------------------------------------------ after loading
     def process_weights_after_loading(self, layer) -> None:
+        # vLLM's own flag: its loader may call this twice, its weight-reload path clears it
         if getattr(layer, "_already_called_process_weights_after_loading", False):
             return
         weight = layer.weight.data
