@@ -1,0 +1,823 @@
+#!/usr/bin/env python3
+"""End-to-end vLLM serving benchmark (issue 6, part 1): decode time per output token of
+`--quantization fp8_blockgemm` against vLLM's own block-FP8 kernels and BF16, on one GPU,
+vLLM 0.24.0 (installed per ../shared/vllm-device/README.md).
+
+Models (built on the device, no downloads; stage `models`): a Llama-3.1-8B-shaped model
+(hidden 4096, 32 query / 8 KV heads of 128, FFN 14336, vocab 128256, untied lm_head) with
+--layers decoder layers (default 8: the 32-layer model's load and start-up do not fit this
+session's device time; per-token times of the layer part scale by ~4 for 32 layers, the
+lm_head part does not) and seeded random weights, written as BF16 safetensors + config.json,
+then converted with the product's CLI: `python -m fp8linear.cli quantize BF16 FP8`
+(128x128 block FP8, lm_head and embeddings kept BF16).
+
+Engine configurations (stage `engines`; one fresh process each, time-boxed, run in order):
+  bf16                   the BF16 checkpoint
+  fp8_blockgemm          the FP8 checkpoint, quantization="fp8_blockgemm" (fp8linear's kernels)
+  fp8_cutlass            the FP8 checkpoint, vLLM's "fp8" with VLLM_USE_DEEP_GEMM=0 (CUTLASS
+                         block-scaled GEMM, precompiled)
+  fp8_blockgemm_online   the BF16 checkpoint, quantization="fp8_blockgemm" (quantized while
+                         loading)                                      [--configs ...,online]
+  fp8_deepgemm           the FP8 checkpoint, vLLM's "fp8" with DeepGEMM (its default; JIT-
+                         compiles ~575 kernels at start, ~6 min: give it its own lease)
+Default: bf16,fp8_blockgemm,fp8_cutlass. The fp8linear kernels must be built beforehand
+(`python -m fp8linear.cli build`; e2e_device.sh does it), so engine start does not include it.
+
+CUDA graphs are on. Default --compile none: compilation mode NONE (no torch.compile) with
+cudagraph_mode FULL_DECODE_ONLY, capture sizes = the batch sizes: every decode step is one
+full-model CUDA graph, prefill runs eagerly. This is what vLLM's default FULL_AND_PIECEWISE
+mode replays for uniform decode batches, minus Inductor's fusions (norms, activation, quant run
+as vLLM's custom CUDA ops instead, the same for every configuration), and it saves
+torch.compile's start-up per engine. --compile vllm uses vLLM's default (torch.compile,
+FULL_AND_PIECEWISE) with the same capture sizes.
+
+Workloads per engine: greedy decode, prompt --prompt-len (128) random token ids,
+--out-len (128) output tokens, ignore_eos, prefix caching off; at each batch (1, 4, 16, 64;
+--b256 adds 256): time per output token = (t(out_len tokens) - t(1 token)) / (out_len - 1),
+each t the best of --reps (3) LLM.generate calls. Engine start (LLM(...) constructor), import
+time, weight memory ("Model loading took"), KV cache memory and capacity in tokens, graph
+capture time and the GEMM kernel vLLM selected come from vLLM's log. Log-probabilities: every
+engine scores the same token sequence (a 128-token prompt + the BF16 engine's 32 greedy
+tokens) with prompt_logprobs=1; fp8 engines are compared with BF16 on it (|delta logprob| of
+the greedy tokens and of the prompt tokens, top-1 agreement) and on their own greedy tokens.
+
+Output: <date>_e2e_vllm_<gpu>.json (+ .png) in benchmarks/results/ (or --out), engine logs in
+--work/logs/, a short table printed last.
+
+  python benchmarks/e2e_vllm.py                                # models + engines
+  python benchmarks/e2e_vllm.py --stage models                 # build checkpoints only
+  python benchmarks/e2e_vllm.py --stage engines --budget-s 300 --configs bf16,fp8_blockgemm
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+T_START = time.time()
+
+CONFIGS = {
+    # name: (checkpoint, quantization, extra env)
+    "bf16": ("bf16", None, {}),
+    "fp8_blockgemm": ("fp8", "fp8_blockgemm", {}),
+    "fp8_cutlass": ("fp8", "fp8", {"VLLM_USE_DEEP_GEMM": "0"}),
+    "fp8_blockgemm_online": ("bf16", "fp8_blockgemm", {}),
+    "fp8_deepgemm": ("fp8", "fp8", {"VLLM_USE_DEEP_GEMM": "1"}),
+}
+DEFAULT_CONFIGS = "bf16,fp8_blockgemm,fp8_cutlass"
+ALIASES = {"online": "fp8_blockgemm_online", "deepgemm": "fp8_deepgemm",
+           "cutlass": "fp8_cutlass", "blockgemm": "fp8_blockgemm"}
+
+LLAMA8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, vocab_size=128256)
+# --shape tiny: a small model of the same architecture (CPU plumbing checks only)
+TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, vocab_size=1024)
+MODEL = LLAMA8B
+LP_PROMPT_LEN, LP_GEN = 128, 32       # log-probability sequence: prompt + greedy tokens
+
+
+def log(*a):
+    print(f"[{time.time() - T_START:6.1f}s]", *a, flush=True)
+
+
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def base_env(extra=None) -> dict:
+    e = dict(os.environ)
+    e.update({"VLLM_USE_FLASHINFER_SAMPLER": "0",      # required: flashinfer is not shipped
+              "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
+              "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+              "TOKENIZERS_PARALLELISM": "false", "VLLM_USE_DEEP_GEMM": "0"})
+    e.update(extra or {})
+    return e
+
+
+# =============================================================================== models
+def build_models(work: str, layers: int, seed: int) -> dict:
+    """Stage `models`, in its own process (the parent never touches the GPU): BF16 checkpoint
+    from seeded random weights (generated on the GPU when there is one), then the FP8 one
+    through `python -m fp8linear.cli quantize`. Skipped when both exist with these sizes."""
+    bf16, fp8 = os.path.join(work, "bf16"), os.path.join(work, "fp8")
+    stamp = os.path.join(work, "models.json")
+    want = {"layers": layers, "seed": seed, **MODEL}
+    if os.path.exists(stamp):
+        with open(stamp) as f:
+            old = json.load(f)
+        if old.get("model") == want and os.path.exists(os.path.join(fp8, "config.json")):
+            log(f"models: reusing {bf16} and {fp8}")
+            return old
+    os.makedirs(work, exist_ok=True)
+    for d in (bf16, fp8):
+        shutil.rmtree(d, ignore_errors=True)
+    rec = {"model": want}
+    # warm vLLM's model-registry cache and its bytecode while the weights are built: the
+    # first engine start on a machine otherwise spends ~20 s in "Resolved architecture"
+    warm = None
+    os.makedirs(os.path.join(work, "logs"), exist_ok=True)
+    warm_log = open(os.path.join(work, "logs", "registry_warm.log"), "w")
+    try:
+        warm = subprocess.Popen(
+            [sys.executable, "-c",
+             "import vllm; from vllm import LLM, SamplingParams\n"
+             "from vllm.model_executor.models.registry import ModelRegistry as R\n"
+             "print('registry warm:', R._try_inspect_model_cls('LlamaForCausalLM') is not None)"],
+            env=base_env(), stdout=warm_log, stderr=subprocess.STDOUT)
+    except Exception as e:  # noqa: BLE001
+        log(f"models: registry warm-up not started: {e}")
+    t = time.time()
+    rec["bf16_bytes"] = write_bf16_checkpoint(bf16, layers, seed)
+    rec["build_s"] = round(time.time() - t, 1)
+    log(f"models: BF16 checkpoint ({rec['bf16_bytes'] / 1e9:.2f} GB) in {rec['build_s']} s")
+    t = time.time()
+    q = subprocess.run([sys.executable, "-m", "fp8linear.cli", "quantize", bf16, fp8,
+                        "--force", "--quiet"], capture_output=True, text=True,
+                       env=base_env({"PYTHONPATH": os.pathsep.join(
+                           [p for p in (os.environ.get("PYTHONPATH"), ROOT) if p])}))
+    rec["quantize_s"] = round(time.time() - t, 1)
+    rec["quantize_cli"] = f"python -m fp8linear.cli quantize {bf16} {fp8} --force --quiet"
+    rec["quantize_report"] = (q.stdout + q.stderr).strip()[-2000:]
+    if q.returncode != 0:
+        raise SystemExit(f"fp8linear quantize failed (rc {q.returncode}):\n{q.stdout}{q.stderr}")
+    rec["fp8_bytes"] = sum(os.path.getsize(os.path.join(fp8, f)) for f in os.listdir(fp8)
+                           if f.endswith(".safetensors"))
+    log(f"models: FP8 checkpoint ({rec['fp8_bytes'] / 1e9:.2f} GB) by the CLI in "
+        f"{rec['quantize_s']} s")
+    warm_log.close()
+    if warm is not None:
+        try:
+            warm.wait(timeout=max(5.0, 90 - (time.time() - t)))
+            with open(warm_log.name, errors="replace") as f:
+                lines = [ln for ln in f.read().splitlines() if ln.strip()]
+            rec["registry_warm"] = lines[-1] if lines else f"rc {warm.returncode}"
+        except subprocess.TimeoutExpired:
+            warm.kill()
+            rec["registry_warm"] = "timed out"
+        log(f"models: vLLM registry warm-up: {rec.get('registry_warm')}")
+    with open(stamp, "w") as f:
+        json.dump(rec, f, indent=1)
+    return rec
+
+
+def write_bf16_checkpoint(path: str, layers: int, seed: int, shard_bytes: float = 2e9) -> int:
+    import torch
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=dev).manual_seed(seed)
+    h, f, v = MODEL["hidden_size"], MODEL["intermediate_size"], MODEL["vocab_size"]
+    d = MODEL["head_dim"]
+    nq, nkv = MODEL["num_attention_heads"] * d, MODEL["num_key_value_heads"] * d
+
+    def rnd(*shape, std=0.02):
+        return (torch.randn(*shape, device=dev, generator=g) * std).to(torch.bfloat16).cpu()
+
+    def norm(n):
+        return (1.0 + 0.05 * torch.randn(n, device=dev, generator=g)).to(torch.bfloat16).cpu()
+
+    def tensors():
+        yield "model.embed_tokens.weight", rnd(v, h)
+        for i in range(layers):
+            p = f"model.layers.{i}."
+            yield p + "input_layernorm.weight", norm(h)
+            yield p + "self_attn.q_proj.weight", rnd(nq, h)
+            yield p + "self_attn.k_proj.weight", rnd(nkv, h)
+            yield p + "self_attn.v_proj.weight", rnd(nkv, h)
+            yield p + "self_attn.o_proj.weight", rnd(h, nq)
+            yield p + "post_attention_layernorm.weight", norm(h)
+            yield p + "mlp.gate_proj.weight", rnd(f, h)
+            yield p + "mlp.up_proj.weight", rnd(f, h)
+            yield p + "mlp.down_proj.weight", rnd(h, f)
+        yield "model.norm.weight", norm(h)
+        yield "lm_head.weight", rnd(v, h)
+
+    weight_map, shard, size, total, k = {}, {}, 0, 0, 0
+
+    def flush():
+        nonlocal shard, size, k
+        if shard:
+            name = f"model-{k:05d}.safetensors"
+            save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
+            weight_map.update({n: name for n in shard})
+            shard, size, k = {}, 0, k + 1
+
+    for name, t in tensors():
+        nb = t.numel() * t.element_size()
+        if size and size + nb > shard_bytes:
+            flush()
+        shard[name], size, total = t, size + nb, total + nb
+    flush()
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as fh:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=1)
+    write_config(path, layers)
+    return total
+
+
+def write_config(path: str, layers: int) -> None:
+    kw = dict(MODEL, num_hidden_layers=layers, max_position_embeddings=8192,
+              rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=128000,
+              eos_token_id=128001)
+    try:  # the device has transformers: its own serialisation, as make_tiny.py does
+        from transformers import LlamaConfig
+        cfg = LlamaConfig(**kw)
+        cfg.architectures = ["LlamaForCausalLM"]
+        try:
+            cfg.dtype = "bfloat16"
+        except Exception:  # noqa: BLE001 (older transformers: torch_dtype)
+            cfg.torch_dtype = "bfloat16"
+        cfg.save_pretrained(path)
+        return
+    except Exception as e:  # noqa: BLE001
+        log(f"models: transformers' LlamaConfig unavailable ({type(e).__name__}: {e}); "
+            f"writing config.json by hand")
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(dict(kw, architectures=["LlamaForCausalLM"], model_type="llama",
+                       hidden_act="silu", rope_theta=500000.0, attention_bias=False,
+                       mlp_bias=False, torch_dtype="bfloat16", initializer_range=0.02),
+                  fh, indent=1)
+
+
+# =============================================================================== worker
+def prompts(n: int, length: int, seed: int, vocab: int = 128000) -> list[dict]:
+    r = random.Random(seed)
+    return [{"prompt_token_ids": [r.randrange(1, vocab) for _ in range(length)]}
+            for _ in range(n)]
+
+
+def worker(spec_path: str) -> int:
+    """One engine configuration in this process: start, decode timings, log-probabilities.
+    Writes spec["result"] (JSON) after every phase; exits hard (the parent kills the engine
+    core's process group), saving vLLM's shutdown time."""
+    spec = json.load(open(spec_path))
+    res = {"name": spec["name"], "errors": [], "decode": []}
+    deadline = spec["soft_deadline"]
+
+    def save():
+        tmp = spec["result"] + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(res, f)
+        os.replace(tmp, spec["result"])
+
+    t0 = time.time()
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+    res.update(import_s=round(time.time() - t0, 1), vllm=vllm.__version__, torch=torch.__version__)
+    batches = spec["batches"]
+    sizes = sorted(set(batches))
+    cc = {"cudagraph_capture_sizes": sizes}
+    if spec["compile"] == "none":
+        cc.update(mode="NONE", cudagraph_mode="FULL_DECODE_ONLY")
+    kw = dict(model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+              gpu_memory_utilization=spec["gpu_memory_utilization"],
+              max_model_len=spec["max_model_len"], max_num_seqs=max(sizes),
+              max_num_batched_tokens=max(8192, max(sizes) * spec["prompt_len"]),
+              enable_prefix_caching=False, enforce_eager=False, compilation_config=cc)
+    if spec["quantization"]:
+        kw["quantization"] = spec["quantization"]
+    res["llm_kwargs"] = {k: v for k, v in kw.items()}
+    print("E2E_LLM_KWARGS " + json.dumps(res["llm_kwargs"]), flush=True)
+    t1 = time.time()
+    try:
+        llm = LLM(**kw)
+    except Exception as e:  # noqa: BLE001
+        import traceback
+        res["errors"].append(f"engine start: {type(e).__name__}: {e}")
+        res["traceback"] = traceback.format_exc()[-4000:]
+        save()
+        sys.stdout.flush()
+        os._exit(3)
+    res["start_s"] = round(time.time() - t1, 1)
+    print(f"E2E_ENGINE_STARTED {res['start_s']} s", flush=True)
+    save()
+    n_out, plen = spec["out_len"], spec["prompt_len"]
+
+    def gen(b, max_tokens, seed):
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            detokenize=False)
+        ps = prompts(b, plen, seed, spec["vocab"])
+        t = time.perf_counter()
+        outs = llm.generate(ps, sp, use_tqdm=False)
+        dt = time.perf_counter() - t
+        got = [len(o.outputs[0].token_ids) for o in outs]
+        if got != [max_tokens] * b:
+            raise RuntimeError(f"batch {b}: expected {max_tokens} tokens each, got {set(got)}")
+        return dt
+
+    try:
+        t = time.time()
+        for b in sizes:                                   # warm-up, every batch size
+            gen(b, 8, 999)
+        res["warmup_s"] = round(time.time() - t, 1)
+        for b in batches:
+            row = {"batch": b, "t1_s": [], "tn_s": []}
+            for rep in range(spec["reps"]):
+                if time.time() > deadline and row["tn_s"]:
+                    row["cut_short"] = True
+                    break
+                row["t1_s"].append(gen(b, 1, 1000 * b + rep))
+                row["tn_s"].append(gen(b, n_out, 1000 * b + rep))
+            if row["tn_s"]:
+                t1b, tnb = min(row["t1_s"]), min(row["tn_s"])
+                row["per_token_ms"] = (tnb - t1b) / (n_out - 1) * 1e3
+                row["decode_tok_s"] = b / (row["per_token_ms"] * 1e-3)
+                row["e2e_tok_s"] = b * n_out / tnb
+                res["decode"].append(row)
+                print(f"E2E_DECODE {spec['name']} batch {b}: {row['per_token_ms']:.3f} ms/token",
+                      flush=True)
+            save()
+            if time.time() > deadline:
+                res["errors"].append(f"soft deadline reached after batch {b}")
+                break
+    except Exception as e:  # noqa: BLE001
+        import traceback
+        res["errors"].append(f"decode: {type(e).__name__}: {e}")
+        res["traceback"] = traceback.format_exc()[-4000:]
+    save()
+
+    try:   # log-probabilities (runs even past the soft deadline: two short requests)
+        lp_prompt = prompts(1, LP_PROMPT_LEN, 4242, spec["vocab"])[0]["prompt_token_ids"]
+        sp = SamplingParams(temperature=0.0, max_tokens=LP_GEN, ignore_eos=True,
+                            detokenize=False, logprobs=1)
+        o = llm.generate([{"prompt_token_ids": lp_prompt}], sp, use_tqdm=False)[0].outputs[0]
+        greedy = list(o.token_ids)
+        res["greedy_tokens"] = greedy
+        res["greedy_logprobs"] = [d[t].logprob for d, t in zip(o.logprobs, greedy)]
+        seq = lp_prompt + (spec.get("tf_tokens") or greedy)
+        sp = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False, prompt_logprobs=1)
+        plp = llm.generate([{"prompt_token_ids": seq}], sp, use_tqdm=False)[0].prompt_logprobs
+        res["tf_seq"] = seq
+        res["tf_logprobs"] = [plp[i][seq[i]].logprob for i in range(1, len(seq))]
+        res["tf_top1"] = [next((t for t, lp in plp[i].items() if lp.rank == 1), None)
+                          for i in range(1, len(seq))]
+    except Exception as e:  # noqa: BLE001
+        import traceback
+        res["errors"].append(f"logprobs: {type(e).__name__}: {e}")
+        res["traceback_lp"] = traceback.format_exc()[-3000:]
+    res["wall_s"] = round(time.time() - t0, 1)
+    save()
+    print("E2E_WORKER_DONE", flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+# ============================================================================== parent
+LOG_PATTERNS = {
+    "weight_gib": (r"Model loading took ([\d.]+) GiB", float),
+    "load_s": (r"Model loading took [\d.]+ GiB(?: memory)? and ([\d.]+) seconds", float),
+    "kv_cache_gib": (r"Available KV cache memory: ([\d.]+) GiB", float),
+    "kv_cache_tokens": (r"GPU KV cache size: ([\d,]+) tokens", lambda s: int(s.replace(",", ""))),
+    "max_concurrency": (r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x", float),
+    "graph_capture_s": (r"Graph capturing finished in (\d+) secs", float),
+    "graph_capture_gib": (r"Graph capturing finished in \d+ secs, took ([\d.]+) GiB", float),
+    "init_engine_s": (r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s",
+                      float),
+    "compile_s": (r"init engine .* took [\d.]+ s \(compilation: ([\d.]+) s", float),
+}
+
+
+def parse_log(text: str) -> dict:
+    out = {}
+    for key, (pat, conv) in LOG_PATTERNS.items():
+        m = re.findall(pat, text)
+        if m:
+            out[key] = conv(m[-1])
+    kern = sorted(set(re.findall(r"Selected (\w+) for (\w+)", text)))
+    if kern:
+        out["kernels"] = [f"{a} for {b}" for a, b in kern]
+    notes = [ln.split("] ", 1)[-1].strip() for ln in text.splitlines()
+             if re.search(r"fp8_blockgemm:|[Cc]udagraph_mode|Resolved architecture|"
+                          r"attention backend|Using .*[Aa]ttention", ln)]
+    if notes:
+        out["log_notes"] = list(dict.fromkeys(notes))[:12]
+    errs = [ln.strip() for ln in text.splitlines()
+            if re.search(r"Error|Traceback|CUDA out of memory", ln)]
+    if errs:
+        out["log_errors"] = errs[-8:]
+    return out
+
+
+def kill_group(proc, grace=5.0):
+    """SIGTERM then SIGKILL the worker's whole process group (the engine core included);
+    waits until the group is gone so the next engine finds the GPU memory free."""
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        pgid = proc.pid
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 15.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        t = time.time()
+        while time.time() - t < wait:
+            try:
+                proc.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+
+def run_engine(name, args, work, timeout, tf_tokens) -> dict:
+    ckpt, quant, extra_env = CONFIGS[name]
+    logs = os.path.join(work, "logs")
+    os.makedirs(logs, exist_ok=True)
+    spec = {"name": name, "model": os.path.join(work, ckpt), "quantization": quant,
+            "batches": args.batch_list, "prompt_len": args.prompt_len, "out_len": args.out_len,
+            "reps": args.reps, "compile": args.compile, "max_model_len": args.max_model_len,
+            "gpu_memory_utilization": args.gpu_memory_utilization,
+            "soft_deadline": time.time() + timeout - args.reserve_s,
+            "vocab": min(128000, MODEL["vocab_size"]),
+            "tf_tokens": tf_tokens, "result": os.path.join(work, f"result_{name}.json")}
+    spec_path = os.path.join(work, f"spec_{name}.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    if os.path.exists(spec["result"]):
+        os.remove(spec["result"])
+    log_path = os.path.join(logs, f"{name}.log")
+    env = base_env(extra_env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), ROOT) if p)
+    t = time.time()
+    with open(log_path, "w") as lf:
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker",
+                                 spec_path], stdout=lf, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True, cwd=work)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        kill_group(proc)
+    wall = time.time() - t
+    res = {}
+    if os.path.exists(spec["result"]):
+        with open(spec["result"]) as f:
+            res = json.load(f)
+    res.setdefault("errors", [])
+    if rc == "timeout":
+        res["errors"].append(f"killed at the {timeout:.0f} s time box")
+    elif rc != 0:
+        res["errors"].append(f"worker exited with rc {rc}")
+    with open(log_path, errors="replace") as f:
+        text = f.read()
+    res.update(parse_log(text))
+    res.update(name=name, checkpoint=ckpt, quantization=quant, env=extra_env, rc=rc,
+               process_wall_s=round(wall, 1), log=os.path.relpath(log_path, work))
+    if res.get("errors") and not res.get("decode"):
+        res["log_tail"] = text[-3000:]
+    return res
+
+
+def compare_logprobs(results: dict) -> dict:
+    ref = results.get("bf16")
+    out = {}
+    if not ref or "tf_logprobs" not in ref:
+        return out
+    n_prompt = LP_PROMPT_LEN - 1          # tf_logprobs[i] scores seq[i + 1]
+    for name, r in results.items():
+        if name == "bf16" or "tf_logprobs" not in r:
+            continue
+        if r.get("tf_seq") != ref.get("tf_seq"):
+            out[name] = {"error": "scored a different sequence than bf16"}
+            continue
+        d = [abs(a - b) for a, b in zip(r["tf_logprobs"], ref["tf_logprobs"])]
+        dp, dg = d[:n_prompt], d[n_prompt:]
+        top = [a == b for a, b in zip(r["tf_top1"], ref["tf_top1"])]
+        g1, g0 = r.get("greedy_tokens") or [], ref.get("greedy_tokens") or []
+        first_div = next((i for i, (a, b) in enumerate(zip(g1, g0)) if a != b), None)
+        out[name] = {
+            "greedy_abs_dlogprob_mean": sum(dg) / len(dg) if dg else None,
+            "greedy_abs_dlogprob_max": max(dg) if dg else None,
+            "prompt_abs_dlogprob_mean": sum(dp) / len(dp) if dp else None,
+            "prompt_abs_dlogprob_max": max(dp) if dp else None,
+            "top1_agreement": sum(top) / len(top) if top else None,
+            "greedy_tokens_equal": g1 == g0,
+            "greedy_first_divergence": first_div,
+            "bf16_greedy_logprob_mean": (sum(ref["tf_logprobs"][n_prompt:])
+                                         / max(1, len(ref["tf_logprobs"][n_prompt:]))),
+        }
+    return out
+
+
+def nvidia_smi() -> dict:
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,"
+                            "clocks.max.sm", "--format=csv,noheader"], capture_output=True,
+                           text=True, timeout=20)
+        name, mem, drv, clk = [s.strip() for s in q.stdout.strip().splitlines()[0].split(",")]
+        return {"device": name, "device_memory": mem, "driver": drv, "max_sm_clock": clk}
+    except Exception:  # noqa: BLE001
+        return {"device": "unknown (nvidia-smi failed)"}
+
+
+def device_slug(name: str) -> str:
+    m = re.search(r"\b([A-Z]\d{2,3}[A-Z]?)\b", name or "")
+    return (m.group(1) if m else re.sub(r"\W+", "_", name or "gpu")).lower()
+
+
+def git_commit():
+    try:
+        r = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True,
+                           text=True, timeout=10)
+        return r.stdout.strip() or None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def table(doc: dict) -> str:
+    h, results = doc["header"], doc["engines"]
+    batches = h["batches"]
+    lines = [f"e2e_vllm: {h.get('device')}, vLLM {h.get('vllm')}, torch {h.get('torch')}, "
+             f"{h['model']['layers']}-layer Llama-3.1-8B-shaped model (NOT the 32-layer "
+             f"model), compile={h['compile']}",
+             f"{'config':<21}{'start s':>8}{'wt GiB':>8}{'KV tok':>9} | ms per output token at "
+             f"batch " + "/".join(map(str, batches)) + " | dlogprob vs bf16 (greedy mean/max)"]
+    lp = doc.get("logprobs", {})
+    for name, r in results.items():
+        per = {d["batch"]: d.get("per_token_ms") for d in r.get("decode", [])}
+        cells = " ".join(f"{per[b]:6.2f}" if per.get(b) else f"{'-':>6}" for b in batches)
+        c = lp.get(name, {})
+        lps = (f"{c['greedy_abs_dlogprob_mean']:.3f}/{c['greedy_abs_dlogprob_max']:.3f}"
+               if c.get("greedy_abs_dlogprob_mean") is not None else "-")
+        kv = r.get("kv_cache_tokens")
+        lines.append(f"{name:<21}{r.get('start_s', float('nan')):>8.1f}"
+                     f"{r.get('weight_gib', float('nan')):>8.2f}"
+                     f"{kv if kv is not None else '-':>9} | {cells} | {lps}")
+        if r.get("errors"):
+            lines.append(f"{'':<21}errors: {'; '.join(r['errors'])[:300]}")
+    for k, v in doc.get("targets", {}).items():
+        lines.append(f"target {k}: {v}")
+    if h.get("skipped"):
+        lines.append(f"skipped: {h['skipped']}")
+    return "\n".join(lines)
+
+
+def targets(results: dict, batches) -> dict:
+    """Issue 6's decode target: fp8_blockgemm <= best vLLM fp8 / 1.15 at batch 1-64."""
+    out = {}
+    ours = {d["batch"]: d["per_token_ms"] for d in results.get("fp8_blockgemm", {})
+            .get("decode", []) if d.get("per_token_ms")}
+    fp8 = {}
+    for n in ("fp8_cutlass", "fp8_deepgemm"):
+        for d in results.get(n, {}).get("decode", []):
+            if d.get("per_token_ms"):
+                fp8[d["batch"]] = min(fp8.get(d["batch"], 1e9), d["per_token_ms"])
+    parts = []
+    for b in batches:
+        if b <= 64 and b in ours and b in fp8:
+            sp = fp8[b] / ours[b]
+            parts.append(f"b{b} {sp:.2f}x {'PASS' if sp >= 1.15 else 'FAIL'}")
+    if parts:
+        out["fp8_blockgemm vs best vLLM fp8 (need >= 1.15x)"] = ", ".join(parts)
+    bf = {d["batch"]: d["per_token_ms"] for d in results.get("bf16", {}).get("decode", [])
+          if d.get("per_token_ms")}
+    parts = [f"b{b} {bf[b] / ours[b]:.2f}x" for b in batches if b in ours and b in bf]
+    if parts:
+        out["fp8_blockgemm speedup vs bf16"] = ", ".join(parts)
+    if results.get("fp8_blockgemm", {}).get("start_s") and results.get("bf16", {}).get("start_s"):
+        dt = results["fp8_blockgemm"]["start_s"] - results["bf16"]["start_s"]
+        out["engine start vs bf16 (need <= +30 s)"] = (f"{dt:+.1f} s "
+                                                       f"{'PASS' if dt <= 30 else 'FAIL'}")
+    return out
+
+
+def plot(doc: dict, png: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    style = {"bf16": ("tab:gray", "x"), "fp8_blockgemm": ("tab:red", "o"),
+             "fp8_cutlass": ("tab:green", "v"), "fp8_deepgemm": ("tab:blue", "D"),
+             "fp8_blockgemm_online": ("tab:orange", "s")}
+    h, res = doc["header"], doc["engines"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    ax = axes[0]
+    for name, r in res.items():
+        ds = [d for d in r.get("decode", []) if d.get("per_token_ms")]
+        if ds:
+            c, m = style.get(name, (None, "."))
+            ax.plot([d["batch"] for d in ds], [d["per_token_ms"] for d in ds], marker=m,
+                    color=c, label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(h["batches"], [str(b) for b in h["batches"]])
+    ax.set_xlabel("batch (concurrent sequences)")
+    ax.set_ylabel("ms per output token (decode)")
+    ax.set_title(f"vLLM {h.get('vllm')}, {h['model']['layers']}-layer Llama-3.1-8B-shaped, "
+                 f"prompt {h['prompt_len']}, {h['out_len']} new tokens", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    names = [n for n in res if res[n].get("start_s") is not None]
+    if names:
+        xs = range(len(names))
+        ax.bar([i - 0.2 for i in xs], [res[n].get("start_s", 0) for n in names], 0.4,
+               label="engine start (s)")
+        ax2 = ax.twinx()
+        ax2.bar([i + 0.2 for i in xs], [res[n].get("weight_gib", 0) or 0 for n in names], 0.4,
+                color="tab:purple", label="weights (GiB)")
+        ax.set_xticks(list(xs), names, rotation=20, fontsize=8)
+        ax.set_ylabel("engine start, s")
+        ax2.set_ylabel("weight memory, GiB")
+        ax.legend(loc="lower left", fontsize=8)
+        ax2.legend(loc="lower right", fontsize=8)
+    fig.suptitle(f"{h.get('device')}, torch {h.get('torch')}, {h.get('date')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def engines(args, models_rec) -> int:
+    work = args.work
+    deadline = T_START + args.budget_s
+    smi = nvidia_smi()
+    h = {"benchmark": "e2e_vllm", "date": utc_now(), "command": " ".join(
+        [os.path.basename(sys.executable)] + sys.argv), "git_commit": git_commit(), **smi,
+        "model": dict(models_rec.get("model", {}), note=(
+            f"{args.layers} of Llama-3.1-8B's 32 layers (seeded random weights): the 32-layer "
+            f"model's load and start-up did not fit this session's device time")),
+        "models_build": {k: v for k, v in models_rec.items() if k != "model"},
+        "batches": args.batch_list, "prompt_len": args.prompt_len, "out_len": args.out_len,
+        "reps": args.reps, "compile": args.compile, "max_model_len": args.max_model_len,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "compile_note": (
+            "mode NONE + cudagraph_mode FULL_DECODE_ONLY (capture sizes = batch sizes): each "
+            "decode step replays one full-model CUDA graph, prefill eager, no torch.compile "
+            "(vLLM's custom CUDA ops instead of Inductor fusions, same for every config)"
+            if args.compile == "none" else
+            "vLLM default: torch.compile (VLLM_COMPILE) + FULL_AND_PIECEWISE graphs, capture "
+            "sizes = batch sizes"),
+        "timing": ("per_token_ms = (min t(out_len) - min t(1)) / (out_len - 1) over reps "
+                   "LLM.generate calls of `batch` requests; engine start = LLM(...) "
+                   "constructor in a fresh process, fp8linear kernels prebuilt"),
+        "skipped": []}
+    doc = {"header": h, "engines": {}, "logprobs": {}, "targets": {}}
+    slug = device_slug(smi.get("device", ""))
+    name = f"{h['date'][:10]}_e2e_vllm_{slug}.json"
+    out = args.out or os.path.join(HERE, "results", name)
+    if os.path.isdir(out):
+        out = os.path.join(out, name)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+
+    def save():
+        h["elapsed_s"] = round(time.time() - T_START, 1)
+        with open(out, "w") as f:
+            json.dump(doc, f, indent=1)
+
+    for name in args.config_list:
+        left = deadline - time.time()
+        need = args.min_engine_s * (4 if name == "fp8_deepgemm" else 1)
+        if left < need:
+            h["skipped"].append(f"{name}: {left:.0f} s left < {need} s")
+            log(f"{name}: skipped, {left:.0f} s left")
+            continue
+        timeout = min(args.engine_timeout * (3 if name == "fp8_deepgemm" else 1), left)
+        tf = doc["engines"].get("bf16", {}).get("greedy_tokens")
+        log(f"{name}: starting (time box {timeout:.0f} s)")
+        r = run_engine(name, args, work, timeout, tf)
+        doc["engines"][name] = r
+        for k in ("vllm", "torch"):
+            if r.get(k):
+                h[k] = r[k]
+        per = ", ".join(f"b{d['batch']} {d['per_token_ms']:.2f}" for d in r.get("decode", [])
+                        if d.get("per_token_ms"))
+        log(f"{name}: rc {r['rc']}, start {r.get('start_s')} s, weights {r.get('weight_gib')} "
+            f"GiB, KV {r.get('kv_cache_tokens')} tokens, ms/token {per or '-'}, "
+            f"{r['process_wall_s']} s" + (f"; errors: {r['errors']}" if r["errors"] else ""))
+        doc["logprobs"] = compare_logprobs(doc["engines"])
+        doc["targets"] = targets(doc["engines"], args.batch_list)
+        save()
+    rows = []
+    for name, r in doc["engines"].items():
+        for d in r.get("decode", []):
+            if d.get("per_token_ms"):
+                rows.append({"config": name, "batch": d["batch"],
+                             "per_token_ms": d["per_token_ms"], "decode_tok_s": d["decode_tok_s"]})
+        for k in ("tf_seq", "tf_top1"):          # bulky, and equal across engines
+            if name != "bf16":
+                r.pop(k, None)
+    doc["rows"] = rows
+    save()
+    log(f"wrote {out}")
+    if not args.no_plot:
+        try:
+            png = os.path.splitext(out)[0] + ".png"
+            plot(doc, png)
+            log(f"wrote {png}")
+        except Exception as e:  # noqa: BLE001
+            log(f"plot failed: {type(e).__name__}: {e}")
+    print(table(doc))
+    ok = rows and all(not r.get("errors") for r in doc["engines"].values())
+    return 0 if ok else 1
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stage", default="all", choices=("all", "models", "engines"))
+    p.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
+    p.add_argument("--build-models", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--work", default="/tmp/e2e_vllm", help="checkpoints, specs, engine logs")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--shape", default="llama8b", choices=("llama8b", "tiny"),
+                   help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--configs", default=DEFAULT_CONFIGS,
+                   help=f"comma list of {', '.join(CONFIGS)} (aliases: online, deepgemm, "
+                        f"cutlass, blockgemm); a leading '+' adds to the default. "
+                        f"Run in this order; bf16 first gives the log-probability reference")
+    p.add_argument("--batches", default="1,4,16,64")
+    p.add_argument("--b256", action="store_true", help="add batch 256 (max_num_seqs 256)")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--out-len", type=int, default=128)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--compile", default="none", choices=("none", "vllm"))
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="total time box of this invocation (models + engines)")
+    p.add_argument("--engine-timeout", type=float, default=200.0,
+                   help="time box of one engine process (x3 for fp8_deepgemm)")
+    p.add_argument("--min-engine-s", type=float, default=70.0,
+                   help="an engine does not start with less time than this left")
+    p.add_argument("--reserve-s", type=float, default=20.0,
+                   help="an engine stops timing this long before its time box")
+    p.add_argument("--out", help="JSON path or folder (PNG beside it)")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--table", metavar="JSON", help="print the table of an earlier run and exit")
+    a = p.parse_args(argv)
+    cl = a.configs.strip()
+    if cl.startswith("+"):
+        cl = DEFAULT_CONFIGS + "," + cl[1:]
+    a.config_list = []
+    for c in (x.strip() for x in cl.split(",")):
+        c = ALIASES.get(c, c)
+        if c and c not in CONFIGS:
+            p.error(f"unknown config {c!r}: one of {', '.join(CONFIGS)}")
+        if c and c not in a.config_list:
+            a.config_list.append(c)
+    a.batch_list = [int(b) for b in a.batches.split(",") if b.strip()]
+    if a.b256 and 256 not in a.batch_list:
+        a.batch_list.append(256)
+    if a.prompt_len + a.out_len > a.max_model_len or LP_PROMPT_LEN + LP_GEN + 1 > a.max_model_len:
+        p.error("--max-model-len too small for prompt + output")
+    return a
+
+
+def main(argv=None) -> int:
+    global MODEL
+    args = parse_args(argv)
+    if args.table:
+        with open(args.table) as f:
+            print(table(json.load(f)))
+        return 0
+    if args.shape == "tiny":
+        MODEL = TINY
+    if args.worker:
+        return worker(args.worker)
+    if args.build_models:
+        build_models(args.work, args.layers, args.seed)
+        return 0
+    rec = {}
+    if args.stage in ("all", "models"):
+        t = time.time()
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--build-models",
+                            "--work", args.work, "--layers", str(args.layers), "--seed",
+                            str(args.seed), "--shape", args.shape], env=base_env({"PYTHONPATH": os.pathsep.join(
+                                p for p in (os.environ.get("PYTHONPATH"), ROOT) if p)}),
+                           timeout=max(30.0, args.budget_s - 60))
+        log(f"models stage rc {r.returncode} in {time.time() - t:.0f} s")
+        if r.returncode != 0:
+            return 2
+        if args.stage == "models":
+            return 0
+    stamp = os.path.join(args.work, "models.json")
+    if not os.path.exists(stamp):
+        print(f"e2e_vllm: no models in {args.work}: run --stage models first", file=sys.stderr)
+        return 2
+    with open(stamp) as f:
+        rec = json.load(f)
+    if rec.get("model") != {"layers": args.layers, "seed": args.seed, **MODEL}:
+        print(f"e2e_vllm: {args.work} holds another model ({rec.get('model')}): run "
+              f"--stage models with the same --layers/--seed", file=sys.stderr)
+        return 2
+    return engines(args, rec)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
