@@ -43,7 +43,7 @@ __host__ __device__ inline DecodeLayout decode_layout(int bt, int kbs, int stage
   l.ws = l.xs + kbs * bt * 4;            // per-token scales [kbs][BT]
   l.bar = l.ws + kbs * (per_row ? kDecodeRows : 1) * 4;
   l.bar = (l.bar + 7) & ~7;
-  l.flag = l.bar + 3 * stages * 8;       // full[stages], empty[stages], quantized[stages]
+  l.flag = l.bar + 2 * stages * 8;       // full[stages], empty[stages]
   l.total = l.flag + 16;
   return l;
 }
@@ -96,7 +96,6 @@ __global__ void __launch_bounds__(384, 1)
   float* sWS = reinterpret_cast<float*>(smem + L.ws);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L.bar);
   uint64_t* empty = full + p.stages;
-  uint64_t* quantized = empty + p.stages;  // fused: the stage's fp8 slot is written
   int* flag = reinterpret_cast<int*>(smem + L.flag);
 
   const int n0 = blockIdx.x * kDecodeRows;
@@ -108,8 +107,7 @@ __global__ void __launch_bounds__(384, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < p.stages; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 8);      // the 8 math warps
-      mbar_init(&quantized[s], 3);  // the 3 quantizing warps
+      mbar_init(&empty[s], 8);  // the 8 math warps
     }
     fence_barrier_init();
     tma_prefetch_desc(&tmap_w);
@@ -119,7 +117,7 @@ __global__ void __launch_bounds__(384, 1)
 
   if (wg == 2) {
     // ------------------------------------------------------------------ producer warpgroup
-    // (no setmaxnreg here: ptxas fits every role in the 168-register launch budget)
+    reg_dealloc<40>();
     if (warp == 8 && lane == 0) {
       // Weights are not written by the previous kernel: stream them before griddepcontrol.wait.
       const uint64_t once = l2_policy_evict_first();
@@ -144,48 +142,42 @@ __global__ void __launch_bounds__(384, 1)
         }
       }
     }
-    if (fused && warp > 8) {
-      // Quantizing warps 9..11: as each stage lands, turn its raw bf16/fp16 rows into the
-      // stage's fp8 slot (swizzled for wgmma) and per-token scales, ahead of the math warps.
-      pdl_wait();
-      const int qw = warp - 9;
-      for (int i = 0; i < kbs; ++i) {
-        const int st = i % p.stages;
-        uint8_t* slot = sX + st * BT * kBlockK;
-        mbar_wait(&full[st], (i / p.stages) & 1);
-        for (int t = qw; t < BT; t += 3) {
-          if (m0 + t < p.M) {
-            const uint2 bits = *reinterpret_cast<const uint2*>(
-                sW + st * L.stage + kDecodeWTile + t * kBlockK * 2 + lane * 8);
-            float v[4];
-            if (p.x_dtype == kInFP16) {
-              const __half* h = reinterpret_cast<const __half*>(&bits);
-              for (int q = 0; q < 4; ++q) v[q] = to_f(h[q]);
-            } else {
-              const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&bits);
-              for (int q = 0; q < 4; ++q) v[q] = to_f(h[q]);
-            }
-            quantize_row(v, slot, sXS + i * BT + t, t, lane);
-          } else if (i < p.stages) {  // padding token: zero row (once per slot), zero scale
-            *reinterpret_cast<uint32_t*>(slot + t * kBlockK + lane * 4) = 0u;
-            if (lane == 0) sXS[i * BT + t] = 0.f;
-          } else if (lane == 0) {
-            sXS[i * BT + t] = 0.f;
-          }
-        }
-        fence_proxy_async_smem();  // the slot is read by wgmma (async proxy)
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&quantized[st]);
-      }
-    }
     return;
   }
 
   // ------------------------------------------------------------------------ math warpgroups
+  reg_alloc<232>();
   const int tid = threadIdx.x;  // 0..255
   pdl_wait();                   // activations come from the previous kernel
-  if (!fused) {
-    // the tiles come by TMA with the weights; the scales here (fused: the quantizing warps)
+  // fused: warp t owns token m0 + t (BT == 8 == math warps) and quantizes its raw row of each
+  // stage into the stage's fp8 slot, one K block ahead of the tensor cores; padding tokens'
+  // rows stay zero.
+  const bool live = fused && m0 + warp < p.M;
+  auto quantize_stage = [&](int i) {  // K block i (its stage has landed)
+    const int st = i % p.stages;
+    const uint8_t* raw = sW + st * L.stage + kDecodeWTile + warp * kBlockK * 2 + lane * 8;
+    const uint2 bits = *reinterpret_cast<const uint2*>(raw);
+    float v[4];
+    if (p.x_dtype == kInFP16) {
+      const __half* h = reinterpret_cast<const __half*>(&bits);
+      for (int q = 0; q < 4; ++q) v[q] = to_f(h[q]);
+    } else {
+      const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&bits);
+      for (int q = 0; q < 4; ++q) v[q] = to_f(h[q]);
+    }
+    quantize_row(v, sX + st * BT * kBlockK, sXS + i * BT + warp, warp, lane);
+  };
+  if (fused) {
+    if (live) {
+      mbar_wait(&full[0], 0);
+      quantize_stage(0);
+    } else {
+      for (int st = 0; st < p.stages; ++st)
+        *reinterpret_cast<uint32_t*>(sX + st * BT * kBlockK + warp * kBlockK + lane * 4) = 0u;
+      for (int i = lane; i < kbs; i += 32) sXS[i * BT + warp] = 0.f;
+    }
+  } else {
+    // the tiles come by TMA with the weights; the scales here
     for (int e = tid; e < BT * kbs; e += 256) {
       const int t = e % BT, i = e / BT, m = m0 + t;
       sXS[e] = m < p.M ? p.x_scale[size_t(m) * p.xs_stride_m + size_t(kb0 + i) * p.xs_stride_kb]
@@ -217,7 +209,6 @@ __global__ void __launch_bounds__(384, 1)
   for (int i = 0; i < kbs; ++i) {
     const int s = i % p.stages;
     mbar_wait(&full[s], (i / p.stages) & 1);
-    if (fused) mbar_wait(&quantized[s], (i / p.stages) & 1);
     const uint64_t da = make_smem_desc_sw128(sW + s * L.stage + wg * 64 * kBlockK);
     const uint64_t db = make_smem_desc_sw128(fused ? sX + s * BT * kBlockK
                                                    : sW + s * L.stage + kDecodeWTile);
@@ -227,6 +218,11 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int kk = 0; kk < kBlockK / 32; ++kk) Mma::mma(part, da + 2 * kk, db + 2 * kk, kk > 0);
     wgmma_commit();
+    if (live && i + 1 < kbs) {
+      // while the tensor cores run block i: quantize block i+1 (a different slot: stages >= 2)
+      mbar_wait(&full[(i + 1) % p.stages], ((i + 1) / p.stages) & 1);
+      quantize_stage(i + 1);
+    }
     wgmma_wait<0>();
 #pragma unroll
     for (int r = 0; r < kRegs; ++r) fence_operand(part[r]);
@@ -247,6 +243,11 @@ __global__ void __launch_bounds__(384, 1)
       acc[4 * j + 1] = fmaf(part[4 * j + 1], w0 * x1, acc[4 * j + 1]);
       acc[4 * j + 2] = fmaf(part[4 * j + 2], w1 * x0, acc[4 * j + 2]);
       acc[4 * j + 3] = fmaf(part[4 * j + 3], w1 * x1, acc[4 * j + 3]);
+    }
+    if (fused && i + 1 < kbs) {
+      // slot i+1 and its scale (ordinary stores) must be complete before its wgmma
+      fence_proxy_async_smem();
+      named_barrier(1, 256);
     }
   }
 
