@@ -690,6 +690,21 @@ def engines(args, models_rec) -> int:
         tf = doc["engines"].get("bf16", {}).get("greedy_tokens")
         log(f"{name}: starting (time box {timeout:.0f} s)")
         r = run_engine(name, args, work, timeout, tf)
+        why = " ".join([r.get("traceback", "")] + r.get("errors", []) + [
+            ln for ln in r.get("log_tail", "").splitlines() if not ln.startswith("E2E_")])
+        if (r.get("start_s") is None and args.compile == "none" and not h.get("compile_fallback")
+                and re.search(r"cudagraph|cuda graph|compil", why, re.I)
+                and deadline - time.time() > need):
+            # mode NONE + FULL_DECODE_ONLY refused by this vLLM: fall back to its default
+            # compilation (torch.compile + FULL_AND_PIECEWISE) for this and later engines
+            h["compile_fallback"] = (f"{name} did not start with --compile none "
+                                     f"({'; '.join(r.get('errors', []))[:300]}): "
+                                     f"switched to --compile vllm")
+            log(h["compile_fallback"])
+            args.compile = h["compile"] = "vllm"
+            h["compile_note"] += " [fell back to vLLM's default compilation: see compile_fallback]"
+            timeout = min(timeout, deadline - time.time())
+            r = run_engine(name, args, work, timeout, tf)
         doc["engines"][name] = r
         for k in ("vllm", "torch"):
             if r.get(k):
