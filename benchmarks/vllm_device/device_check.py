@@ -146,6 +146,9 @@ def step_engines(work: Path, out: Path) -> int:
         dict(base, name="bf16_graphs", model=str(m["bf16"]), quantization=None,
              enforce_eager=False),
     ]
+    if os.environ.get("FP8LV_ENGINES"):  # a subset when device time is short, e.g. "fp8_eager,..."
+        keep = set(os.environ["FP8LV_ENGINES"].split(","))
+        runs = [r for r in runs if r["name"] in keep]
     res, _ = run_engines(runs, out, "engines", forbid_reference=True)
     c = Checks()
     for r in runs:
