@@ -1,4 +1,5 @@
 // Instantiations and launch of the decode kernel (decode_kernel.cuh).
+#include "common/launch.h"
 #include "common/tma.h"
 #include "sm90/api.h"
 #include "sm90/decode_kernel.cuh"
@@ -42,8 +43,8 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
                                                 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                            2, d.M, d.K, d.K, BT, kBlockK, CU_TENSOR_MAP_SWIZZLE_NONE);
   if (!e.empty()) return e;
-  auto kernel = fp8_decode_kernel<BT, kPerRow, OutT>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  constexpr auto kernel = fp8_decode_kernel<BT, kPerRow, OutT>;
+  cudaError_t err = ensure_smem_limit<kernel>(smem);
   if (err != cudaSuccess) return cudaGetErrorString(err);
   DecodeParams p{d.x,         d.x_dtype,  d.x_scale, d.xs_stride_m, d.xs_stride_kb,
                  d.w_scale,   d.bias,     d.out,     d.workspace,   d.counters,

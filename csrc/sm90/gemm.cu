@@ -1,4 +1,5 @@
 // Instantiations and launch of the large-M kernel (gemm_kernel.cuh).
+#include "common/launch.h"
 #include "common/tma.h"
 #include "sm90/api.h"
 #include "sm90/gemm_kernel.cuh"
@@ -36,9 +37,8 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   if (!(e = make_tensor_map_2d(&tc, g.out, out_type, 2, g.M, g.N, g.N, 64, 64, sw128)).empty())
     return e;
 
-  auto kernel = fp8_gemm_kernel<BM, BN, STAGES, kPerRow, OutT>;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kAlloc);
+  constexpr auto kernel = fp8_gemm_kernel<BM, BN, STAGES, kPerRow, OutT>;
+  cudaError_t err = ensure_smem_limit<kernel>(L::kAlloc);
   if (err != cudaSuccess) return cudaGetErrorString(err);
   const int tiles = ((g.M + BM - 1) / BM) * ((g.N + BN - 1) / BN);
   const int grid = tiles < g.num_sms ? tiles : g.num_sms;
