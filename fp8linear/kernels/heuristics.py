@@ -1,17 +1,20 @@
 """Every dispatch decision lives here, each rule with its reason.
 
 backend_for(device, M, N, K) picks the backend module (reference / triton / sm90); the sm90
-backend asks ``sm90_config`` for its tile configuration.
+backend asks ``sm90_plan`` for its kernel, tile and split-K, the Triton backend asks
+``triton_config`` for its tiles, stages and split-K.
 """
 from __future__ import annotations
 
 import functools
 import os
 import warnings
+from typing import NamedTuple
 
 import torch
 
 from . import reference
+from ..quant import BLOCK, cdiv
 
 BACKENDS = ("reference", "triton", "sm90")
 _ENV = "FP8LINEAR_BACKEND"
@@ -79,10 +82,6 @@ SM90_DECODE_MAX_M = 64
 SM90_DECODE_ROWS = 128                     # weight rows per decode CTA
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 SM90_FUSE_QUANT_MAX_M = 8
 
 
@@ -101,24 +100,95 @@ def sm90_plan(m: int, n: int, k: int, num_sms: int, fused: bool = False):
 
     fused: the activations arrive in bf16/fp16 and the decode kernel quantizes them itself.
     """
-    num_kb = _cdiv(k, 128)
+    num_kb = cdiv(k, 128)
     if m <= SM90_DECODE_MAX_M:
         # Decode is bound by reading the weights once. Swap-AB puts the tokens on wgmma's
         # narrow side: the smallest token tile >= M wastes no tensor-core work on padding.
         config = next(i for i, t in enumerate(SM90_DECODE_TILES) if t >= m)
         bt = SM90_DECODE_TILES[config]
-        tiles = _cdiv(n, SM90_DECODE_ROWS) * _cdiv(m, bt)
+        tiles = cdiv(n, SM90_DECODE_ROWS) * cdiv(m, bt)
         # Split K until every SM streams weights; the largest split count that still fits in
         # one wave (tiles * splits <= SMs) avoids a second, mostly idle wave.
         splits = max(1, min(num_kb, num_sms // tiles))
         # Shared memory holds per-CTA activation state for the whole K range: the quantized
         # tiles when fused (8 x 128 B per K block, <= 64 KB), else the scales (<= 32 KB).
         max_kb = 65536 // (bt * 128) if fused else 32768 // (bt * 4)
-        splits = max(splits, _cdiv(num_kb, max_kb))
+        splits = max(splits, cdiv(num_kb, max_kb))
         return ("decode", config, min(splits, num_kb))
     # Large M: 128x128 tiles (two math warpgroups) unless that leaves most SMs idle, where
     # 64-row tiles double the CTA count.
-    tiles128 = _cdiv(m, 128) * _cdiv(n, 128)
+    tiles128 = cdiv(m, 128) * cdiv(n, 128)
     if tiles128 < num_sms // 2:
         return ("gemm", 1)
     return ("gemm", 0)
+
+
+# ------------------------------------------------------------------------- Triton tiles
+class TritonConfig(NamedTuple):
+    bm: int
+    bn: int
+    warps: int
+    stages: int
+    split: int = 1          # requested split-K; _plan makes every split non-empty
+    group_m: int = 8
+
+
+class TritonDevice(NamedTuple):
+    sms: int
+    smem: int          # bytes of shared memory one program may use
+    hip: bool
+    capability: tuple
+
+
+def triton_config(m: int, n: int, k: int, a_bytes: int, weight_only: bool,
+                  dev: TritonDevice) -> TritonConfig:
+    """Triton tile rules: a handful of fixed configurations; no run-time autotuning."""
+    if m <= 16:
+        # Decode: reading the weight is the whole cost. Narrow tiles make many programs
+        # (N/64) each streaming a 64x128 weight tile per step with deep pipelining.
+        cfg = TritonConfig(16, 64, 4, 6)
+    elif m <= 32:
+        cfg = TritonConfig(32, 64, 4, 6)
+    elif m <= 64:
+        cfg = TritonConfig(64, 64, 4, 5)
+    elif m <= 128:
+        # Still mostly weight-bound: 64x128 with one warpgroup keeps the fp32 total plus
+        # the per-block product at 128 registers a thread.
+        cfg = TritonConfig(64, 128, 4, 4)
+    else:
+        # Compute-bound: 128x128 with 8 warps. Wider tiles (128x256) would need ~256
+        # registers a thread for the total plus the per-block product the promotion needs.
+        cfg = TritonConfig(128, 128, 8, 4)
+
+    if cfg.bn == 128 and cdiv(m, cfg.bm) * cdiv(n, 128) < dev.sms:
+        # Too few tiles to fill the GPU: halve the tile width before resorting to split-K,
+        # which costs a workspace round trip.
+        cfg = cfg._replace(bn=64)
+
+    # Stages: as many as the shared memory holds (Ada and sm_86 have ~100 KB, H100 227 KB).
+    def buffers_that_fit(c):
+        stage = c.bm * 128 * a_bytes + 128 * c.bn          # A and W tiles of one K step
+        extra = 0
+        if weight_only:                                      # decoded fp16 tiles for the dot
+            extra = 128 * c.bn * 2 + (c.bm * 128 * 2 if a_bytes == 1 else 0)
+        return (dev.smem - extra - 4096) // stage
+
+    # Triton keeps num_stages buffers in flight on sm_90+, num_stages - 1 before that.
+    extra_stage = 1 if (not dev.hip and dev.capability < (9, 0)) else 0
+    while buffers_that_fit(cfg) + extra_stage < 2 and (cfg.bm > 16 or cfg.bn > 64):
+        # Two stages must fit (e.g. fp32 activations on a 100 KB SM, or a 64 KB LDS):
+        # shrink the tile, rows first.
+        bm, bn = (cfg.bm // 2, cfg.bn) if cfg.bm > 16 else (cfg.bm, 64)
+        cfg = cfg._replace(bm=bm, bn=bn, warps=8 if bm * bn >= 128 * 128 else 4)
+    cfg = cfg._replace(stages=max(2, min(cfg.stages, buffers_that_fit(cfg) + extra_stage)))
+
+    # Split-K: when the output tiles cannot fill the SMs, split K so that about two waves of
+    # programs run (memory latency is hidden by having several in flight per SM), keeping
+    # >= 4 K-blocks per split (enough for the pipeline to reach steady state) and the fp32
+    # workspace traffic (2 x split x M x N x 4 bytes) under a quarter of the weight bytes.
+    tiles = cdiv(m, cfg.bm) * cdiv(n, cfg.bn)
+    kb = cdiv(k, BLOCK)
+    split = 1
+    if tiles < dev.sms and kb >= 8:
+        split = min(cdiv(2 * dev.sms, tiles), kb // 4, 16, max(1, k // (32 * m)))
+    return cfg._replace(split=max(1, split))

@@ -178,13 +178,8 @@ def _splitk_reduce_kernel(part_ptr, bias_ptr, c_ptr, MN, N, NSPLIT,
 
 
 # ------------------------------------------------------------------------------ plans
-class Config(NamedTuple):
-    bm: int
-    bn: int
-    warps: int
-    stages: int
-    split: int = 1          # requested split-K; _plan makes every split non-empty
-    group_m: int = 8
+# The tile rules live with the other dispatch rules in heuristics.py.
+from .heuristics import TritonConfig as Config, TritonDevice as _Device, triton_config as choose_config  # noqa: E402,E501
 
 
 class _Plan(NamedTuple):
@@ -192,13 +187,6 @@ class _Plan(NamedTuple):
     grid: tuple
     split: int
     kb_per_split: int
-
-
-class _Device(NamedTuple):
-    sms: int
-    smem: int          # bytes of shared memory one program may use
-    hip: bool
-    capability: tuple
 
 
 @functools.lru_cache(maxsize=None)
@@ -244,60 +232,6 @@ def mode(device: torch.device) -> str:
     if device.type != "cuda":
         return "native"
     return _default_mode(device.index or 0)
-
-
-def choose_config(m: int, n: int, k: int, a_bytes: int, weight_only: bool,
-                  dev: _Device) -> Config:
-    """The tile rules: a handful of fixed configurations; no run-time autotuning."""
-    if m <= 16:
-        # Decode: reading the weight is the whole cost. Narrow tiles make many programs
-        # (N/64) each streaming a 64x128 weight tile per step with deep pipelining.
-        cfg = Config(16, 64, 4, 6)
-    elif m <= 32:
-        cfg = Config(32, 64, 4, 6)
-    elif m <= 64:
-        cfg = Config(64, 64, 4, 5)
-    elif m <= 128:
-        # Still mostly weight-bound: 64x128 with one warpgroup keeps the fp32 total plus
-        # the per-block product at 128 registers a thread.
-        cfg = Config(64, 128, 4, 4)
-    else:
-        # Compute-bound: 128x128 with 8 warps. Wider tiles (128x256) would need ~256
-        # registers a thread for the total plus the per-block product the promotion needs.
-        cfg = Config(128, 128, 8, 4)
-
-    if cfg.bn == 128 and cdiv(m, cfg.bm) * cdiv(n, 128) < dev.sms:
-        # Too few tiles to fill the GPU: halve the tile width before resorting to split-K,
-        # which costs a workspace round trip.
-        cfg = cfg._replace(bn=64)
-
-    # Stages: as many as the shared memory holds (Ada and sm_86 have ~100 KB, H100 227 KB).
-    def buffers_that_fit(c):
-        stage = c.bm * 128 * a_bytes + 128 * c.bn          # A and W tiles of one K step
-        extra = 0
-        if weight_only:                                      # decoded fp16 tiles for the dot
-            extra = 128 * c.bn * 2 + (c.bm * 128 * 2 if a_bytes == 1 else 0)
-        return (dev.smem - extra - 4096) // stage
-
-    # Triton keeps num_stages buffers in flight on sm_90+, num_stages - 1 before that.
-    extra_stage = 1 if (not dev.hip and dev.capability < (9, 0)) else 0
-    while buffers_that_fit(cfg) + extra_stage < 2 and (cfg.bm > 16 or cfg.bn > 64):
-        # Two stages must fit (e.g. fp32 activations on a 100 KB SM, or a 64 KB LDS):
-        # shrink the tile, rows first.
-        bm, bn = (cfg.bm // 2, cfg.bn) if cfg.bm > 16 else (cfg.bm, 64)
-        cfg = cfg._replace(bm=bm, bn=bn, warps=8 if bm * bn >= 128 * 128 else 4)
-    cfg = cfg._replace(stages=max(2, min(cfg.stages, buffers_that_fit(cfg) + extra_stage)))
-
-    # Split-K: when the output tiles cannot fill the SMs, split K so that about two waves of
-    # programs run (memory latency is hidden by having several in flight per SM), keeping
-    # >= 4 K-blocks per split (enough for the pipeline to reach steady state) and the fp32
-    # workspace traffic (2 x split x M x N x 4 bytes) under a quarter of the weight bytes.
-    tiles = cdiv(m, cfg.bm) * cdiv(n, cfg.bn)
-    kb = cdiv(k, BLOCK)
-    split = 1
-    if tiles < dev.sms and kb >= 8:
-        split = min(cdiv(2 * dev.sms, tiles), kb // 4, 16, max(1, k // (32 * m)))
-    return cfg._replace(split=max(1, split))
 
 
 @functools.lru_cache(maxsize=16384)
