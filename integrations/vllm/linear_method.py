@@ -57,6 +57,18 @@ def check_scale_values(layer, scale: torch.Tensor, scale_name: str) -> None:
             from None
 
 
+def set_layer_geometry(layer, output_partition_sizes, input_size_per_partition,
+                       params_dtype) -> tuple[int, int]:
+    """The per-rank sizes and block size vLLM's linear layers expect; returns (N, K)."""
+    n, k = sum(output_partition_sizes), input_size_per_partition
+    layer.logical_widths = list(output_partition_sizes)
+    layer.input_size_per_partition = k
+    layer.output_size_per_partition = n
+    layer.orig_dtype = params_dtype
+    layer.weight_block_size = [BLOCK, BLOCK]
+    return n, k
+
+
 def _prefix(layer) -> str:
     return getattr(layer, "prefix", "") or type(layer).__name__
 
@@ -76,12 +88,8 @@ class Fp8BlockGemmLinearMethod(compat.LinearMethodBase):
                        input_size, output_size, params_dtype, **extra_weight_attrs):
         weight_loader = extra_weight_attrs.get("weight_loader")
         prefix = getattr(layer, "prefix", "")
-        n, k = sum(output_partition_sizes), input_size_per_partition
-        layer.logical_widths = list(output_partition_sizes)
-        layer.input_size_per_partition = k
-        layer.output_size_per_partition = n
-        layer.orig_dtype = params_dtype
-        layer.weight_block_size = [BLOCK, BLOCK]
+        n, k = set_layer_geometry(layer, output_partition_sizes, input_size_per_partition,
+                                  params_dtype)
 
         split, known = compat.layer_split(layer, weight_loader)
         tp_size = getattr(layer, "tp_size", 1)

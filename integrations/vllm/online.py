@@ -18,7 +18,8 @@ from fp8linear import quantize_weight
 from fp8linear.quant import BLOCK, FP8_DTYPE, cdiv
 
 from . import compat
-from .linear_method import COUNT_CALLS, Fp8BlockGemmLinearMethod, set_plain_parameter, warm_up
+from .linear_method import (COUNT_CALLS, Fp8BlockGemmLinearMethod, set_layer_geometry,
+                            set_plain_parameter, warm_up)
 
 # fp32 working set of one quantization step: rows per slab chosen so that a slab's float
 # copies stay near this many elements (a multiple of 128 rows keeps blocks whole).
@@ -48,12 +49,8 @@ class Fp8BlockGemmOnlineLinearMethod(Fp8BlockGemmLinearMethod):
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes,
                        input_size, output_size, params_dtype, **extra_weight_attrs):
-        n, k = sum(output_partition_sizes), input_size_per_partition
-        layer.logical_widths = list(output_partition_sizes)
-        layer.input_size_per_partition = k
-        layer.output_size_per_partition = n
-        layer.orig_dtype = params_dtype
-        layer.weight_block_size = [BLOCK, BLOCK]
+        n, k = set_layer_geometry(layer, output_partition_sizes, input_size_per_partition,
+                                  params_dtype)
         layer.register_parameter("weight", compat.ModelWeightParameter(
             data=torch.empty(n, k, dtype=params_dtype, device="meta"), input_dim=1,
             output_dim=0, weight_loader=extra_weight_attrs.get("weight_loader")))
