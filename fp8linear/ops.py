@@ -98,7 +98,9 @@ def _check_gemm(a, a_scale, w, w_scale, bias, out_dtype):
 def _gemm_impl(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(a.shape[0], w.shape[0], dtype=out_dtype, device=a.device)
-    heuristics.backend_for(a.device, *_gemm_dims(a, w)).gemm(a, a_scale, w, w_scale, bias, out)
+    if a.shape[0]:  # an empty batch launches nothing
+        heuristics.backend_for(a.device, *_gemm_dims(a, w)).gemm(a, a_scale, w, w_scale, bias,
+                                                                 out)
     return out
 
 
@@ -113,7 +115,8 @@ def _(a, a_scale, w, w_scale, bias, out_dtype):
 def _linear_impl(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                  bias: Optional[torch.Tensor]) -> torch.Tensor:
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-    heuristics.backend_for(x.device, *_gemm_dims(x, w)).linear(x, w, w_scale, bias, out)
+    if x.shape[0]:  # an empty batch launches nothing
+        heuristics.backend_for(x.device, *_gemm_dims(x, w)).linear(x, w, w_scale, bias, out)
     return out
 
 
@@ -154,8 +157,9 @@ def block_fp8_gemm(a_fp8: torch.Tensor, a_scale: torch.Tensor, w_fp8: torch.Tens
     _check_2d_contiguous(out, "out", out_dtype, (m, n))
     if out.device != w_fp8.device:
         _fail(f"out is on {out.device} but the weight is on {w_fp8.device}")
-    heuristics.backend_for(a_fp8.device, *_gemm_dims(a_fp8, w_fp8)).gemm(
-        a_fp8, a_scale, w_fp8, w_scale, bias, out)
+    if m:
+        heuristics.backend_for(a_fp8.device, *_gemm_dims(a_fp8, w_fp8)).gemm(
+            a_fp8, a_scale, w_fp8, w_scale, bias, out)
     return out
 
 

@@ -114,6 +114,23 @@ def test_fp8_linear_non_contiguous_input():
     assert torch.equal(fp8linear.fp8_linear(x, w, w_s), fp8linear.fp8_linear(x.contiguous(), w, w_s))
 
 
+def test_empty_batch_gives_empty_output_without_a_launch(monkeypatch):
+    from fp8linear.kernels import heuristics
+
+    def no_launch(*args):
+        raise AssertionError("a backend was asked to run an empty batch")
+    monkeypatch.setattr(heuristics, "backend_for", no_launch)
+    g = torch.Generator().manual_seed(4)
+    w, w_s = fp8linear.quantize_weight(ref.random_matrix(64, 256, g))
+    y = fp8linear.fp8_linear(torch.empty(2, 0, 256, dtype=torch.bfloat16), w, w_s)
+    assert y.shape == (2, 0, 64) and y.dtype == torch.bfloat16
+    a = torch.empty(0, 256, dtype=torch.float8_e4m3fn)
+    a_s = torch.empty(0, 2)
+    assert fp8linear.block_fp8_gemm(a, a_s, w, w_s).shape == (0, 64)
+    out = torch.empty(0, 64, dtype=torch.bfloat16)
+    assert fp8linear.block_fp8_gemm(a, a_s, w, w_s, out=out) is out
+
+
 # ---------------------------------------------------------------------- error paths
 def _good(m=4, n=200, k=300):
     return make_operands(m, n, k, seed=5, bias_dtype=torch.bfloat16)
