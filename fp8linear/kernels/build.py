@@ -251,15 +251,16 @@ def _compile(src: Path, build_dir: Path, arch: str, log_path: Path, verbose: boo
     with open(log_path, "w") as log:
         log.write(f"# fp8linear build: {json.dumps(cfg)}\n# CUDA_HOME={env['CUDA_HOME']}\n")
         log.flush()
-        proc = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(cfg)], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                errors="replace")
-        for line in proc.stdout:
-            log.write(line)
-            if verbose:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-        rc = proc.wait()
+        # the context manager closes the pipe (no leaked file descriptor per build) and waits
+        with subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(cfg)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              errors="replace") as proc:
+            for line in proc.stdout:
+                log.write(line)
+                if verbose:
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+        rc = proc.returncode
     if rc != 0:
         raise BuildError(f"fp8linear: building the sm90 extension failed (full log: {log_path})"
                          f"\n{_error_summary(log_path.read_text(errors='replace'))}")
