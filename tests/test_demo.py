@@ -1,7 +1,6 @@
 """The demo model: seeded, Llama-shaped, and quantized the way the README says."""
 import torch
 
-from fp8linear import FP8Linear
 from fp8linear.demo import DemoConfig, build_model, run_demo
 
 SMALL = DemoConfig(vocab_size=300, hidden_size=256, intermediate_size=384, num_layers=2,
