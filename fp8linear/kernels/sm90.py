@@ -1,7 +1,8 @@
 """The Hopper backend: our sm_90a CUDA kernels (csrc/sm90), built on first use.
 
 Two kernels sit behind the backend protocol, chosen by heuristics.sm90_plan:
-- decode (M <= 64): swap-AB, split-K, activation quantization fused into the launch;
+- decode (M <= 64): swap-AB, split-K; activation quantization fused into the launch up to
+  M = 8 (heuristics.sm90_fuse_quant), a separate quantization kernel above;
 - large M: quantization kernel, then the persistent TMA/wgmma GEMM.
 Python here only reshapes metadata and allocates outputs/workspaces from the torch allocator
 (CUDA-graph safe); every check that matters ran in ops.py before we get here.
