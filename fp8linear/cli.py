@@ -40,12 +40,16 @@ def _demo(args) -> int:
 def _build(args) -> int:
     # imported here: the build system pulls in torch's cpp_extension and needs nvcc
     try:
-        from .kernels.build import precompile
+        from .kernels.build import BuildError, precompile
     except ImportError as e:
         print(f"fp8linear build: the kernel build system is not available ({e})",
               file=sys.stderr)
         return 1
-    path = precompile()
+    try:
+        path = precompile()
+    except BuildError as e:  # no toolkit, a CPU-only torch, or a compile error (with its log)
+        print(f"fp8linear build: error: {e}", file=sys.stderr)
+        return 1
     if path is not None:
         print(f"fp8linear build: kernels ready in {path}")
     return 0

@@ -167,9 +167,21 @@ def test_build_reports_a_missing_build_system(monkeypatch, capsys):
 def test_build_calls_precompile(monkeypatch, capsys):
     calls = []
     fake = types.ModuleType("fp8linear.kernels.build")
+    fake.BuildError = RuntimeError
     fake.precompile = lambda: calls.append(1)
     monkeypatch.setitem(sys.modules, "fp8linear.kernels.build", fake)
     assert run(capsys, "build")[0] == 0 and calls == [1]
+
+
+def test_build_reports_a_build_error_without_a_traceback(monkeypatch, capsys):
+    from fp8linear.kernels import build
+
+    def precompile():
+        raise build.ToolkitMissingError("fp8linear: nvcc not found (set CUDA_HOME ...)")
+    monkeypatch.setattr(build, "precompile", precompile)
+    rc, out, err = run(capsys, "build")
+    assert rc == 1 and out == ""
+    assert err == "fp8linear build: error: fp8linear: nvcc not found (set CUDA_HOME ...)\n"
 
 
 def test_transformers_llama_round_trip(tmp_path, capsys):
