@@ -23,11 +23,14 @@ def _info(args) -> int:
 
 
 def _demo(args) -> int:
+    import dataclasses
+
     import torch
 
     from .demo import CUDA_CONFIG, DemoConfig, format_report, run_demo
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    cfg = CUDA_CONFIG if device.type == "cuda" else DemoConfig()
+    # a copy: --seed / --layers must not change the module-level CUDA_CONFIG
+    cfg = dataclasses.replace(CUDA_CONFIG) if device.type == "cuda" else DemoConfig()
     if args.seed is not None:
         cfg.seed = args.seed
     if args.layers is not None:

@@ -213,3 +213,16 @@ def test_transformers_llama_round_trip(tmp_path, capsys):
         assert torch.equal(got, in_memory(ids).logits)
     # two layers of e4m3 weights and activations, logits of unit-variance embeddings
     assert ref.rel_err(got, want) <= 0.15
+
+
+def test_demo_options_leave_the_cuda_config_unchanged(monkeypatch, capsys):
+    from fp8linear import demo
+    seen = []
+    monkeypatch.setattr(demo, "run_demo", lambda cfg, device: seen.append(cfg) or {"ok": 1})
+    before = demo.CUDA_CONFIG.seed, demo.CUDA_CONFIG.num_layers
+    rc, out, _ = run(capsys, "demo", "--device", "cuda", "--seed", "5", "--layers", "2",
+                     "--json")
+    assert rc == 0 and json.loads(out) == {"ok": 1}
+    assert (seen[0].seed, seen[0].num_layers) == (5, 2)
+    assert seen[0].hidden_size == demo.CUDA_CONFIG.hidden_size
+    assert (demo.CUDA_CONFIG.seed, demo.CUDA_CONFIG.num_layers) == before
