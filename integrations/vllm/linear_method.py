@@ -51,7 +51,7 @@ def check_scale_values(layer, scale: torch.Tensor, scale_name: str) -> None:
     """The one data check (finite scales), run once per layer at load. Scales start as
     NaN, so a scale the checkpoint did not provide fails here too."""
     try:
-        check_weight_scale_values(scale, f"{_prefix(layer)}.{scale_name}")
+        check_weight_scale_values(scale, f"{layer_name(layer)}.{scale_name}")
     except ValueError as e:
         raise ValueError(f"{e} (a scale missing from the checkpoint shows up as NaN too)") \
             from None
@@ -69,7 +69,8 @@ def set_layer_geometry(layer, output_partition_sizes, input_size_per_partition,
     return n, k
 
 
-def _prefix(layer) -> str:
+def layer_name(layer) -> str:
+    """The layer's name in the model (vLLM's prefix), for error messages."""
     return getattr(layer, "prefix", "") or type(layer).__name__
 
 
@@ -131,8 +132,8 @@ class Fp8BlockGemmLinearMethod(compat.LinearMethodBase):
         if self.plan.reblock_k:
             origin = getattr(layer, "tp_rank", 0) * layer.input_size_per_partition
             weight, scale = reblock_k_shard(weight, scale, origin,
-                                            name=f"{_prefix(layer)}.weight")
-        check_weight(weight, scale, name=f"{_prefix(layer)}.weight")
+                                            name=f"{layer_name(layer)}.weight")
+        check_weight(weight, scale, name=f"{layer_name(layer)}.weight")
         set_plain_parameter(layer, "weight", weight)
         set_plain_parameter(layer, self.scale_name, scale)
         warm_up(layer.weight, getattr(layer, self.scale_name), layer.orig_dtype)
@@ -167,7 +168,7 @@ def _row_expanding_loader(layer, weight_loader, scale_name):
     scales, then let vLLM slice them exactly as it slices the weight's rows."""
     def load_row_scales(param, loaded_weight, *args, **kwargs):
         shard_id = args[0] if args else kwargs.get("loaded_shard_id")
-        name = f"{_prefix(layer)}.{scale_name}"
+        name = f"{layer_name(layer)}.{scale_name}"
         if shard_id is not None:
             name += f" (shard {shard_id!r})"
         rows = expand_block_rows(loaded_weight, _logical_rows(layer, shard_id), name)

@@ -18,8 +18,8 @@ from fp8linear import quantize_weight
 from fp8linear.quant import BLOCK, FP8_DTYPE, cdiv
 
 from . import compat
-from .linear_method import (COUNT_CALLS, Fp8BlockGemmLinearMethod, set_layer_geometry,
-                            set_plain_parameter, warm_up)
+from .linear_method import (COUNT_CALLS, Fp8BlockGemmLinearMethod, layer_name,
+                            set_layer_geometry, set_plain_parameter, warm_up)
 
 # fp32 working set of one quantization step: rows per slab chosen so that a slab's float
 # copies stay near this many elements (a multiple of 128 rows keeps blocks whole).
@@ -60,7 +60,7 @@ class Fp8BlockGemmOnlineLinearMethod(Fp8BlockGemmLinearMethod):
         if getattr(layer, "_already_called_process_weights_after_loading", False):
             return
         weight = layer.weight
-        prefix = getattr(layer, "prefix", "") or type(layer).__name__
+        prefix = layer_name(layer)
         if weight.is_meta:
             raise ValueError(f"fp8_blockgemm: layer '{prefix}': the checkpoint provided no "
                              f"weight for it (still on the meta device after loading)")

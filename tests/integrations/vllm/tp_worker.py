@@ -19,7 +19,7 @@ import traceback
 import torch
 
 from fp8linear import fp8_linear, quantize_weight
-from fp8linear.quant import BLOCK, dequantize_weight
+from fp8linear.quant import dequantize_weight
 
 M = 5  # tokens
 
