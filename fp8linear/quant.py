@@ -92,6 +92,14 @@ def quantize_activation(x: torch.Tensor, group: int = BLOCK, ue8m0: bool = False
     return q.to(FP8_DTYPE).contiguous(), scale.contiguous()
 
 
+def has_row_scales(w_scale: torch.Tensor, n: int) -> bool:
+    """True for per-row weight scales [N, Kb], False for 128x128 block scales.
+
+    With N <= 1 both layouts are one row that means the same: reported as blocks.
+    """
+    return w_scale.shape[0] == n and n != cdiv(n, BLOCK)
+
+
 def expand_weight_scale(w_scale: torch.Tensor, n: int) -> torch.Tensor:
     """Block scales [ceil(N/128), Kb] -> per-row [N, Kb] (exact); per-row passes through."""
     if w_scale.shape[0] == n:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import fp64_reference as ref
 import fp8linear
-from fp8linear.quant import AMAX_EPS, FP8_MAX, expand_weight_scale
+from fp8linear.quant import AMAX_EPS, FP8_MAX, expand_weight_scale, has_row_scales
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -189,3 +189,11 @@ def test_activation_input_errors():
         fp8linear.quantize_activation(torch.ones(2, 4, dtype=torch.int64))
     with pytest.raises(ValueError, match="got torch.float8_e4m3fn"):
         fp8linear.quantize_activation(torch.randn(2, 4).to(torch.float8_e4m3fn))
+
+
+def test_has_row_scales_tells_the_two_layouts_apart():
+    assert has_row_scales(torch.empty(200, 3), 200)
+    assert not has_row_scales(torch.empty(2, 3), 200)
+    assert has_row_scales(torch.empty(100, 3), 100)
+    assert not has_row_scales(torch.empty(1, 3), 100)
+    assert not has_row_scales(torch.empty(1, 3), 1)  # one row: the same either way

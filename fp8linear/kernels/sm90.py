@@ -15,7 +15,7 @@ import os
 import torch
 
 from . import build, heuristics
-from ..quant import BLOCK, cdiv
+from ..quant import BLOCK, cdiv, has_row_scales
 
 name = "sm90"
 
@@ -69,7 +69,7 @@ def _fallback():
 
 def _decode(x, x_scale, w, w_scale, bias, out, config, splits):
     m, n = out.shape
-    per_row = w_scale.shape[0] == n and n != cdiv(n, BLOCK)
+    per_row = has_row_scales(w_scale, n)
     tiles = cdiv(n, heuristics.SM90_DECODE_ROWS) * cdiv(m, heuristics.SM90_DECODE_TILES[config])
     if splits > 1:
         ws = torch.empty(splits * tiles * heuristics.SM90_DECODE_TILES[config]
@@ -82,7 +82,7 @@ def _decode(x, x_scale, w, w_scale, bias, out, config, splits):
 
 def _gemm(a, a_scale_t, w, w_scale, bias, out, config):
     n = w.shape[0]
-    per_row = w_scale.shape[0] == n and n != cdiv(n, BLOCK)
+    per_row = has_row_scales(w_scale, n)
     build.load().gemm(a, a_scale_t, w, w_scale, per_row, _bias(bias, out), out, config)
 
 

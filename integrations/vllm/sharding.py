@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import torch
 
 from fp8linear import quantize_weight
-from fp8linear.quant import BLOCK, cdiv
+from fp8linear.quant import BLOCK, cdiv, has_row_scales
 
 # How a layer's weight is divided between ranks (derived from the vLLM layer class).
 SPLIT_N = "n"          # ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear
@@ -151,7 +151,7 @@ def reblock_k_shard(w_fp8: torch.Tensor, full_scale: torch.Tensor, k_origin: int
     if cdiv(k_origin + ks, BLOCK) > kb_full:
         raise ValueError(f"{name}: columns {k_origin}..{k_origin + ks} lie outside the "
                          f"{kb_full * BLOCK} columns the scales cover")
-    per_row = full_scale.shape[0] == n and n != cdiv(n, BLOCK)
+    per_row = has_row_scales(full_scale, n)
     col_block = torch.arange(k_origin, k_origin + ks, device=w_fp8.device) // BLOCK
     out = torch.empty_like(w_fp8)
     scales = torch.empty(cdiv(n, BLOCK), cdiv(ks, BLOCK), dtype=torch.float32,
