@@ -87,6 +87,7 @@ class FP8Linear(nn.Module):
 
     def _check_loaded(self, state_dict, prefix, *args):
         # Clear messages for the common mistakes, before torch's generic copy errors.
+        self._load_name = prefix[:-1]  # for the post-load check's messages ("layers.0.mlp")
         key = prefix + "weight"
         if key in state_dict and state_dict[key].dtype != FP8_DTYPE:
             raise ValueError(f"{key}: expected float8_e4m3fn, got {state_dict[key].dtype} "
@@ -105,7 +106,7 @@ class FP8Linear(nn.Module):
 
 
 def _validate_after_load(module: FP8Linear, incompatible_keys) -> None:
-    module.validate()
+    module.validate(getattr(module, "_load_name", ""))
 
 
 def quantize_model(model: nn.Module, skip: Iterable[str] = ("lm_head",), ue8m0: bool = False,

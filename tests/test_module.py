@@ -179,8 +179,7 @@ def test_load_errors():
     bad[1, 2] = float("inf")
     model = nn.Sequential(nn.Linear(300, 200))
     quantize_model(model)
-    with pytest.raises(ValueError, match=r"0.weight_scale_inv has non-finite values|"
-                                         r"weight_scale_inv has non-finite values"):
+    with pytest.raises(ValueError, match=r"^0\.weight_scale_inv has non-finite values"):
         model.load_state_dict({"0.weight": q, "0.weight_scale_inv": bad,
                                "0.bias": torch.zeros(200)})
 
