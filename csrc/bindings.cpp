@@ -99,5 +99,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm", &gemm, "large-M block-scaled fp8 GEMM");
   m.def("quant", &quant, "per-token-group activation quantization");
   m.def("decode", &decode, "skinny decode GEMM (swap-AB, split-K, fused quantization)");
-  m.def("num_gemm_configs", &fp8l::gemm_num_configs);
 }

@@ -19,24 +19,7 @@ from fp8linear.kernels import heuristics  # noqa: E402
 
 def build_ext():
     t = time.time()
-    if os.environ.get("FP8L_PLAIN_JIT") != "1":
-        from fp8linear.kernels import build
-    else:  # a plain JIT build, independent of kernels/build.py
-        import glob
-        import types
-        from torch.utils.cpp_extension import load
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        srcs = [f"{root}/csrc/bindings.cpp"] + sorted(glob.glob(f"{root}/csrc/sm90/*.cu"))
-        mod = load("fp8linear_sm90_dev", srcs, extra_include_paths=[f"{root}/csrc"],
-                   extra_cuda_cflags=["-gencode=arch=compute_90a,code=sm_90a", "-O3",
-                                      "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"],
-                   verbose=False)
-        build = types.ModuleType("fp8linear.kernels.build")
-        build.load = lambda: mod
-        build.available = lambda: True
-        sys.modules["fp8linear.kernels.build"] = build
-        import fp8linear.kernels as kpkg
-        kpkg.build = build
+    from fp8linear.kernels import build
     ext = build.load()
     print(f"build/load: {time.time() - t:.1f}s", flush=True)
     return ext

@@ -25,7 +25,6 @@ struct GemmArgs {
 
 // Large-M persistent TMA + wgmma kernel. Returns "" on success, else the error.
 std::string launch_gemm(const GemmArgs& args, cudaStream_t stream);
-int gemm_num_configs();
 
 // Per-token, per-128-channel activation quantization:
 // x [M, K] (bf16/fp16/fp32) -> q [M, K] fp8, scale_t [num_kb, scale_ld] fp32.
@@ -58,8 +57,5 @@ struct DecodeArgs {
   bool pdl;               // programmatic dependent launch
 };
 std::string launch_decode(const DecodeArgs& args, cudaStream_t stream);
-int decode_token_tile(int config);
-// Shared memory the kernel needs for a problem (to check a config fits before launching).
-int decode_smem_bytes(int config, int kb_per_split, int per_row, int fused);
 
 }  // namespace fp8l

@@ -75,15 +75,6 @@ std::string dispatch_types(const DecodeArgs& d, cudaStream_t stream) {
 
 }  // namespace
 
-int decode_token_tile(int config) { return 8 << config; }
-
-int decode_smem_bytes(int config, int kb_per_split, int per_row, int fused) {
-  const int bt = decode_token_tile(config);
-  const int stages = pick_stages(bt, kb_per_split, per_row != 0, fused != 0);
-  return stages < 1 ? -1
-                    : decode_layout(bt, kb_per_split, stages, per_row != 0, fused != 0).total + 1024;
-}
-
 std::string launch_decode(const DecodeArgs& d, cudaStream_t stream) {
   if (d.M <= 0 || d.N <= 0 || d.K <= 0) return "empty problem";
   if (d.K % 16 != 0 || d.N % 8 != 0) return "K must be a multiple of 16 and N of 8";

@@ -59,15 +59,13 @@ std::string dispatch_types(const GemmArgs& g, cudaStream_t stream) {
 
 }  // namespace
 
-int gemm_num_configs() { return int(sizeof(kConfigs) / sizeof(kConfigs[0])); }
-
 std::string launch_gemm(const GemmArgs& g, cudaStream_t stream) {
   if (g.M <= 0 || g.N <= 0 || g.K <= 0) return "empty problem";
   if (g.K % 16 != 0 || g.N % 8 != 0) return "K must be a multiple of 16 and N of 8";
   if (g.a_scale_ld % 4 != 0 || g.a_scale_ld < g.M) return "a_scale_ld must be >= M and % 4";
   switch (g.config) {
-    case 0: return dispatch_types<128, 128, 5>(g, stream);
-    case 1: return dispatch_types<64, 128, 8>(g, stream);
+    case 0: return dispatch_types<kConfigs[0].bm, kConfigs[0].bn, kConfigs[0].stages>(g, stream);
+    case 1: return dispatch_types<kConfigs[1].bm, kConfigs[1].bn, kConfigs[1].stages>(g, stream);
     default: return "unknown gemm config " + std::to_string(g.config);
   }
 }

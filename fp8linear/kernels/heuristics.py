@@ -80,9 +80,8 @@ def sm90_shape_ok(n: int, k: int) -> bool:
 SM90_DECODE_TILES = (8, 16, 32, 64, 128)  # token tile of decode config i = 8 << i
 SM90_DECODE_MAX_M = 64
 SM90_DECODE_ROWS = 128                     # weight rows per decode CTA
-
-
-SM90_FUSE_QUANT_MAX_M = 8
+# The decode kernel fuses quantization only in its smallest token tile (one math warp per token).
+SM90_FUSE_QUANT_MAX_M = SM90_DECODE_TILES[0]
 
 
 def sm90_fuse_quant(m: int) -> bool:
@@ -100,7 +99,7 @@ def sm90_plan(m: int, n: int, k: int, num_sms: int, fused: bool = False):
 
     fused: the activations arrive in bf16/fp16 and the decode kernel quantizes them itself.
     """
-    num_kb = cdiv(k, 128)
+    num_kb = cdiv(k, BLOCK)
     if m <= SM90_DECODE_MAX_M:
         # Decode is bound by reading the weights once. Swap-AB puts the tokens on wgmma's
         # narrow side: the smallest token tile >= M wastes no tensor-core work on padding.

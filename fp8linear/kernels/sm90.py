@@ -70,10 +70,10 @@ def _fallback():
 def _decode(x, x_scale, w, w_scale, bias, out, config, splits):
     m, n = out.shape
     per_row = has_row_scales(w_scale, n)
-    tiles = cdiv(n, heuristics.SM90_DECODE_ROWS) * cdiv(m, heuristics.SM90_DECODE_TILES[config])
+    bt, rows = heuristics.SM90_DECODE_TILES[config], heuristics.SM90_DECODE_ROWS
+    tiles = cdiv(n, rows) * cdiv(m, bt)
     if splits > 1:
-        ws = torch.empty(splits * tiles * heuristics.SM90_DECODE_TILES[config]
-                         * heuristics.SM90_DECODE_ROWS, dtype=torch.float32, device=x.device)
+        ws = torch.empty(splits * tiles * bt * rows, dtype=torch.float32, device=x.device)
     else:
         ws = torch.empty(0, dtype=torch.float32, device=x.device)
     build.load().decode(x, x_scale, w, w_scale, per_row, _bias(bias, out), out, ws,
