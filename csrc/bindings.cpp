@@ -64,7 +64,7 @@ void quant(const at::Tensor& x, at::Tensor& q, at::Tensor& scale_t) {
 // >= tiles, zero.
 void decode(const at::Tensor& x, const c10::optional<at::Tensor>& x_scale, const at::Tensor& w, const at::Tensor& w_scale, bool per_row,
             const c10::optional<at::Tensor>& bias, at::Tensor& out, at::Tensor& workspace,
-            at::Tensor& counters, int64_t config, int64_t splits, bool pdl) {
+            at::Tensor& counters, int64_t config, int64_t splits, int64_t ctas_per_sm, bool pdl) {
   const c10::cuda::CUDAGuard guard(x.device());
   fp8l::DecodeArgs d{};
   d.x = x.data_ptr();
@@ -88,6 +88,7 @@ void decode(const at::Tensor& x, const c10::optional<at::Tensor>& x_scale, const
   d.K = int(w.size(1));
   d.config = int(config);
   d.splits = int(splits);
+  d.ctas_per_sm = int(ctas_per_sm);
   d.pdl = pdl;
   check(fp8l::launch_decode(d, at::cuda::getCurrentCUDAStream()), "decode");
 }

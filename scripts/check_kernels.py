@@ -2,7 +2,8 @@
 """CI kernel guard (no GPU needed): compile every csrc/**/*.cu for sm_90a as the JIT build does.
 
 Fails (exit 1, naming the TU and kernel) on a compile error, on any local-memory spill
-reported by ``ptxas -v``, or on a kernel source that includes torch/ATen/c10 headers (those
+reported by ``ptxas -v``, on wgmma serialisation (ptxas C7514/C7515/C7517: the compiler fell back
+to waiting after every wgmma, silently halving a kernel's speed), or on a kernel source that includes torch/ATen/c10 headers (those
 belong in csrc/bindings.cpp only: the .cu TUs must stay torch-free to build fast and in
 parallel). Prints a compact table: kernel, registers, static smem, stack, spills.
 
@@ -45,6 +46,7 @@ _PROPS = re.compile(r"Function properties for (\S+)")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
 _SMEM = re.compile(r"(\d+) bytes smem")
+_WGMMA_SERIAL = re.compile(r"\((C751[4-9])\)[^']*'([^']+)'")
 
 
 @dataclass
@@ -150,6 +152,9 @@ def report(results: list[Result], csrc: Path) -> list[str]:
                             + "\n".join(r.output.strip().splitlines()[-30:]))
             rows.append((rel, "COMPILE ERROR", "", "", "", "", f"{r.seconds:.1f}"))
             continue
+        for code, fn in sorted(set(_WGMMA_SERIAL.findall(r.output))):
+            failures.append(f"{rel}: {short(demangle([fn]).get(fn, fn), 200)}: wgmma serialised "
+                            f"by ptxas ({code})")
         for f in r.funcs:
             if f.regs is None and not (f.stack or f.spill_st or f.spill_ld):
                 continue  # a properties block with nothing in it

@@ -54,6 +54,8 @@ struct DecodeArgs {
   int M, N, K;
   int config;             // token tile BT = 8 << config (8..128)
   int splits;             // K-splits (1 = no reduction)
+  int ctas_per_sm;        // 1, or 2 (token tiles <= 32): half the shared memory and registers,
+                          // so the next kernel's CTAs fit beside ours under PDL
   bool pdl;               // programmatic dependent launch
 };
 std::string launch_decode(const DecodeArgs& args, cudaStream_t stream);

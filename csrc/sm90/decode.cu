@@ -7,23 +7,28 @@
 namespace fp8l {
 namespace {
 
-constexpr int kSmemLimit = 232448;  // sm_90 opt-in dynamic shared memory per block
+// Dynamic shared memory a CTA may use: sm_90's opt-in maximum with one CTA an SM; with two,
+// half of the SM's 228 KB less the 1 KB the system reserves per CTA.
+constexpr int smem_limit(int ctas_per_sm) { return ctas_per_sm == 1 ? 232448 : 115712; }
 constexpr int kMaxStages = 8;       // 8 x 16 KB of weights in flight per SM saturates HBM
 
-int pick_stages(int bt, int kbs, bool per_row, bool fused) {
+int pick_stages(int bt, int kbs, bool per_row, bool fused, int limit) {
   const DecodeLayout none = decode_layout(bt, kbs, 0, per_row, fused);
-  int stages = (kSmemLimit - none.total - 1024) / (none.stage + 16);
+  // bytes one more stage costs: its ring slot, (fused) its fp8 slot and its two barriers
+  const int per_stage = decode_layout(bt, kbs, 1, per_row, fused).total - none.total + 16;
+  int stages = (limit - none.total - 1024) / per_stage;
   stages = stages < kMaxStages ? stages : kMaxStages;
   return stages < kbs ? stages : kbs;  // never deeper than the work
 }
 
-template <int BT, bool kPerRow, typename OutT>
+template <int BT, bool kPerRow, typename OutT, int kCtasPerSM>
 std::string launch(const DecodeArgs& d, cudaStream_t stream) {
+  constexpr int kSmemLimit = smem_limit(kCtasPerSM);
   const int num_kb = (d.K + kBlockK - 1) / kBlockK;
   const int kbs = (num_kb + d.splits - 1) / d.splits;
   const bool fused = d.x_dtype != kInFP8;
   if (fused && BT != 8) return "fused activation quantization needs the 8-token tile (M <= 8)";
-  const int stages = pick_stages(BT, kbs, kPerRow, fused);
+  const int stages = pick_stages(BT, kbs, kPerRow, fused, kSmemLimit);
   if (stages < 1 || decode_layout(BT, kbs, stages, kPerRow, fused).total + 1024 > kSmemLimit)
     return "decode config does not fit in shared memory (token tile " + std::to_string(BT) +
            ", " + std::to_string(kbs) + " K blocks per split): use more splits";
@@ -43,7 +48,7 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
                                                 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                            2, d.M, d.K, d.K, BT, kBlockK, CU_TENSOR_MAP_SWIZZLE_NONE);
   if (!e.empty()) return e;
-  constexpr auto kernel = fp8_decode_kernel<BT, kPerRow, OutT>;
+  constexpr auto kernel = fp8_decode_kernel<BT, kPerRow, OutT, kCtasPerSM>;
   cudaError_t err = ensure_smem_limit<kernel>(smem);
   if (err != cudaSuccess) return cudaGetErrorString(err);
   DecodeParams p{d.x,         d.x_dtype,  d.x_scale, d.xs_stride_m, d.xs_stride_kb,
@@ -64,13 +69,22 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
   return err == cudaSuccess ? std::string() : std::string(cudaGetErrorString(err));
 }
 
-template <int BT>
+template <int BT, int C>
 std::string dispatch_types(const DecodeArgs& d, cudaStream_t stream) {
   if (d.out_dtype == kOutBF16)
-    return d.w_scale_per_row ? launch<BT, true, __nv_bfloat16>(d, stream)
-                             : launch<BT, false, __nv_bfloat16>(d, stream);
-  return d.w_scale_per_row ? launch<BT, true, __half>(d, stream)
-                           : launch<BT, false, __half>(d, stream);
+    return d.w_scale_per_row ? launch<BT, true, __nv_bfloat16, C>(d, stream)
+                             : launch<BT, false, __nv_bfloat16, C>(d, stream);
+  return d.w_scale_per_row ? launch<BT, true, __half, C>(d, stream)
+                           : launch<BT, false, __half, C>(d, stream);
+}
+
+template <int BT>
+std::string dispatch_ctas(const DecodeArgs& d, cudaStream_t stream) {
+  if (d.ctas_per_sm == 1) return dispatch_types<BT, 1>(d, stream);
+  if constexpr (BT <= 32) {
+    if (d.ctas_per_sm == 2) return dispatch_types<BT, 2>(d, stream);
+  }
+  return "ctas_per_sm must be 1, or 2 with token tiles <= 32";
 }
 
 }  // namespace
@@ -81,11 +95,11 @@ std::string launch_decode(const DecodeArgs& d, cudaStream_t stream) {
   const int num_kb = (d.K + kBlockK - 1) / kBlockK;
   if (d.splits < 1 || d.splits > num_kb) return "splits must be in [1, ceil(K/128)]";
   switch (d.config) {
-    case 0: return dispatch_types<8>(d, stream);
-    case 1: return dispatch_types<16>(d, stream);
-    case 2: return dispatch_types<32>(d, stream);
-    case 3: return dispatch_types<64>(d, stream);
-    case 4: return dispatch_types<128>(d, stream);
+    case 0: return dispatch_ctas<8>(d, stream);
+    case 1: return dispatch_ctas<16>(d, stream);
+    case 2: return dispatch_ctas<32>(d, stream);
+    case 3: return dispatch_ctas<64>(d, stream);
+    case 4: return dispatch_ctas<128>(d, stream);
     default: return "unknown decode config " + std::to_string(d.config);
   }
 }

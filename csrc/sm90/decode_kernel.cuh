@@ -74,8 +74,8 @@ __device__ __forceinline__ void quantize_row(const float v[4], uint8_t* tile, fl
   if (lane == 0) *scale_dst = scale;
 }
 
-template <int BT, bool kPerRow, typename OutT>
-__global__ void __launch_bounds__(384, 1)
+template <int BT, bool kPerRow, typename OutT, int kCtasPerSM>
+__global__ void __launch_bounds__(384, kCtasPerSM)
     fp8_decode_kernel(const __grid_constant__ CUtensorMap tmap_w,
                       const __grid_constant__ CUtensorMap tmap_x,  // fp8 activations (kInFP8)
                       const DecodeParams p) {
@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(384, 1)
 
   if (wg == 2) {
     // ------------------------------------------------------------------ producer warpgroup
-    reg_dealloc<40>();
+    if constexpr (kCtasPerSM == 1) reg_dealloc<40>();
     if (warp == 8 && lane == 0) {
       // Weights are not written by the previous kernel: stream them before griddepcontrol.wait.
       const uint64_t once = l2_policy_evict_first();
@@ -146,7 +146,8 @@ __global__ void __launch_bounds__(384, 1)
   }
 
   // ------------------------------------------------------------------------ math warpgroups
-  reg_alloc<232>();
+  // (two CTAs an SM: 80 registers a thread suffice for token tiles <= 32, no reallocation)
+  if constexpr (kCtasPerSM == 1) reg_alloc<232>();
   const int tid = threadIdx.x;  // 0..255
   pdl_wait();                   // activations come from the previous kernel
   // fused: warp t owns token m0 + t (BT == 8 == math warps) and quantizes its raw row of each

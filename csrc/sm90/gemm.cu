@@ -8,13 +8,41 @@ namespace fp8l {
 namespace {
 
 // The tile configurations (index = GemmArgs::config); fp8linear/kernels/heuristics.py says
-// when each is used. Stages: as many as fit in 227 KB of shared memory next to the epilogue.
+// when each is used (SM90_GEMM_CONFIGS there mirrors this table). Stages: as many as fit in
+// 227 KB of shared memory next to the epilogue.
 struct Config {
-  int bm, bn, stages;
+  int bm, bn, stages, cluster;
 };
-constexpr Config kConfigs[] = {{128, 128, 5}, {64, 128, 8}};
+constexpr Config kConfigs[] = {{128, 128, 5, 1}, {64, 128, 8, 1}, {128, 128, 5, 2}, {128, 192, 4, 1}};
 
-template <int BM, int BN, int STAGES, bool kPerRow, typename OutT>
+// CTAs of a cluster kernel that can be resident at once (clusters must fit inside a GPC);
+// queried once per kernel and device: the occupancy call costs host time on every step.
+template <auto Kernel>
+int max_cluster_ctas(int cluster, int smem, int threads, int num_sms) {
+  static int cached[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev >= 64) return num_sms;
+  if (cached[dev] == 0) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(num_sms);
+    cfg.blockDim = dim3(threads);
+    cfg.dynamicSmemBytes = smem;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = cluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, Kernel, &cfg) != cudaSuccess || clusters <= 0)
+      clusters = num_sms / cluster;
+    cached[dev] = clusters * cluster;
+  }
+  return cached[dev];
+}
+
+template <int BM, int BN, int STAGES, int CLUSTER, bool kPerRow, typename OutT>
 std::string launch(const GemmArgs& g, cudaStream_t stream) {
   using L = GemmSmem<BM, BN, STAGES>;
   static_assert(L::kAlloc <= 232448, "shared memory over the sm_90 limit");
@@ -25,8 +53,9 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   if (!(e = make_tensor_map_2d(&ta, g.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, g.M, g.K, g.K, BM,
                                kBlockK, sw128)).empty())
     return e;
-  if (!(e = make_tensor_map_2d(&tb, g.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, g.N, g.K, g.K, BN,
-                               kBlockK, sw128)).empty())
+  // with a cluster each CTA loads (and multicasts) its 1/CLUSTER share of the B tile's rows
+  if (!(e = make_tensor_map_2d(&tb, g.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, g.N, g.K, g.K,
+                               BN / CLUSTER, kBlockK, sw128)).empty())
     return e;
   if (!(e = make_tensor_map_2d(&tsa, g.a_scale_t, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, num_kb,
                                g.a_scale_ld, g.a_scale_ld, 1, BM,
@@ -37,24 +66,47 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   if (!(e = make_tensor_map_2d(&tc, g.out, out_type, 2, g.M, g.N, g.N, 64, 64, sw128)).empty())
     return e;
 
-  constexpr auto kernel = fp8_gemm_kernel<BM, BN, STAGES, kPerRow, OutT>;
+  constexpr auto kernel = fp8_gemm_kernel<BM, BN, STAGES, CLUSTER, kPerRow, OutT>;
+  constexpr int kThreads = (BM / 64 + 1) * 128;
   cudaError_t err = ensure_smem_limit<kernel>(L::kAlloc);
   if (err != cudaSuccess) return cudaGetErrorString(err);
-  const int tiles = ((g.M + BM - 1) / BM) * ((g.N + BN - 1) / BN);
-  const int grid = tiles < g.num_sms ? tiles : g.num_sms;
+  // persistent: one CTA per SM (per cluster slot), never more CTAs than work units need
+  const int units = ((g.M + BM * CLUSTER - 1) / (BM * CLUSTER)) * ((g.N + BN - 1) / BN);
+  int slots = g.num_sms / CLUSTER * CLUSTER;
+  if (CLUSTER > 1) slots = max_cluster_ctas<kernel>(CLUSTER, L::kAlloc, kThreads, g.num_sms);
+  const int grid = units * CLUSTER < slots ? units * CLUSTER : slots;
   GemmParams p{g.M, g.N, g.K, num_kb, g.w_scale, g.bias};
-  kernel<<<grid, (BM / 64 + 1) * 128, L::kAlloc, stream>>>(ta, tb, tsa, tc, p);
+  if constexpr (CLUSTER == 1) {
+    kernel<<<grid, kThreads, L::kAlloc, stream>>>(ta, tb, tsa, tc, p);
+  } else {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = L::kAlloc;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = CLUSTER;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    err = cudaLaunchKernelEx(&cfg, kernel, ta, tb, tsa, tc, p);
+    if (err != cudaSuccess) return cudaGetErrorString(err);
+  }
   err = cudaGetLastError();
   return err == cudaSuccess ? std::string() : std::string(cudaGetErrorString(err));
 }
 
-template <int BM, int BN, int STAGES>
+template <int I>
 std::string dispatch_types(const GemmArgs& g, cudaStream_t stream) {
+  constexpr Config c = kConfigs[I];
   if (g.out_dtype == kOutBF16)
-    return g.w_scale_per_row ? launch<BM, BN, STAGES, true, __nv_bfloat16>(g, stream)
-                             : launch<BM, BN, STAGES, false, __nv_bfloat16>(g, stream);
-  return g.w_scale_per_row ? launch<BM, BN, STAGES, true, __half>(g, stream)
-                           : launch<BM, BN, STAGES, false, __half>(g, stream);
+    return g.w_scale_per_row
+               ? launch<c.bm, c.bn, c.stages, c.cluster, true, __nv_bfloat16>(g, stream)
+               : launch<c.bm, c.bn, c.stages, c.cluster, false, __nv_bfloat16>(g, stream);
+  return g.w_scale_per_row ? launch<c.bm, c.bn, c.stages, c.cluster, true, __half>(g, stream)
+                           : launch<c.bm, c.bn, c.stages, c.cluster, false, __half>(g, stream);
 }
 
 }  // namespace
@@ -64,8 +116,10 @@ std::string launch_gemm(const GemmArgs& g, cudaStream_t stream) {
   if (g.K % 16 != 0 || g.N % 8 != 0) return "K must be a multiple of 16 and N of 8";
   if (g.a_scale_ld % 4 != 0 || g.a_scale_ld < g.M) return "a_scale_ld must be >= M and % 4";
   switch (g.config) {
-    case 0: return dispatch_types<kConfigs[0].bm, kConfigs[0].bn, kConfigs[0].stages>(g, stream);
-    case 1: return dispatch_types<kConfigs[1].bm, kConfigs[1].bn, kConfigs[1].stages>(g, stream);
+    case 0: return dispatch_types<0>(g, stream);
+    case 1: return dispatch_types<1>(g, stream);
+    case 2: return dispatch_types<2>(g, stream);
+    case 3: return dispatch_types<3>(g, stream);
     default: return "unknown gemm config " + std::to_string(g.config);
   }
 }

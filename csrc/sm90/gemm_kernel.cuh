@@ -7,6 +7,11 @@
 //   the producer warpgroup (last, registers given back via setmaxnreg): warp 0 issues TMA
 //     loads of A, B and the A scales into a STAGES-deep ring, warp 1 copies the B scales of
 //     each stage into shared memory (128x128-block or per-row granularity).
+// CLUSTER = 2: two CTAs on neighbouring SMs take vertically adjacent tiles (same weight
+// columns) in lockstep; each loads half of the shared B tile and multicasts it to both, so
+// the L2 -> SM traffic per tile drops from (BM + BN) to (BM + BN/2) rows. With 128x128 tiles
+// that traffic, not the tensor cores, is what bounds a single CTA (~7 TB/s of L2 reads at
+// ~930 TFLOPS, v1 in benchmarks/NOTES.md).
 // Epilogue: registers -> 128B-swizzled shared memory -> TMA store (clipped at M/N edges), while
 // the producer already streams the next tile.
 #pragma once
@@ -64,7 +69,7 @@ struct GemmSmem {
   static constexpr int kOut = kB + STAGES * kBBytes;
   static constexpr int kSA = kOut + kOutBytes;
   static constexpr int kSB = kSA + STAGES * BM * 4;
-  static constexpr int kBar = kSB + STAGES * BN * 4;
+  static constexpr int kBar = kSB + STAGES * BN * 4;  // BN floats: per-row B scales
   static constexpr int kBytes = kBar + 2 * STAGES * 8;
   static constexpr int kAlloc = kBytes + 1024;  // slack to align the base to 1024 B
 };
@@ -82,7 +87,7 @@ __device__ __forceinline__ void tile_coords(int t, int num_m, int num_n, int& mb
   nb = r / gm;
 }
 
-template <int BM, int BN, int STAGES, bool kPerRowB, typename OutT>
+template <int BM, int BN, int STAGES, int CLUSTER, bool kPerRowB, typename OutT>
 __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     fp8_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,   // [M, K] fp8
                     const __grid_constant__ CUtensorMap tmap_b,   // [N, K] fp8
@@ -91,8 +96,12 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
                     const GemmParams p) {
   using L = GemmSmem<BM, BN, STAGES>;
   constexpr int kMathWG = L::kMathWG;
-  static_assert(BN == 64 || BN == 128, "BN must divide the 128-row weight-scale block");
+  static_assert(BN % 64 == 0 && BN <= 192, "BN: whole 64-column store boxes, <= 96 regs");
   static_assert(BM == 64 || BM == 128, "one or two math warpgroups");
+  static_assert(CLUSTER == 1 || CLUSTER == 2, "pairs of CTAs at most");
+  // 128x128 weight-scale blocks: a BN-column tile lies in one block when BN divides 128,
+  // else (BN = 192) it can straddle two; the boundary falls on a 64-column multiple.
+  constexpr bool kTwoBlocks = !kPerRowB && (128 % BN != 0);
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                              ~uintptr_t(1023));
@@ -109,12 +118,18 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   const int lane = threadIdx.x % 32;
   const int num_m = (p.M + BM - 1) / BM;
   const int num_n = (p.N + BN - 1) / BN;
-  const int num_tiles = num_m * num_n;
+  // Work units: CLUSTER vertically adjacent tiles, one per CTA of the cluster.
+  const int num_um = (num_m + CLUSTER - 1) / CLUSTER;
+  const int num_units = num_um * num_n;
+  const int rank = CLUSTER > 1 ? int(cluster_ctarank()) : 0;
+  const int first_unit = blockIdx.x / CLUSTER;
+  const int unit_stride = gridDim.x / CLUSTER;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(&full[s], 1 + 32);      // TMA thread's expect_tx + the 32 B-scale lanes
-      mbar_init(&empty[s], kMathWG * 4);  // one arrival per math warp
+      mbar_init(&full[s], 2);  // the TMA thread's expect_tx + the B-scale warp
+      // one arrival per math warp of every CTA whose B half lands in this stage
+      mbar_init(&empty[s], kMathWG * 4 * CLUSTER);
     }
     fence_barrier_init();
     tma_prefetch_desc(&tmap_a);
@@ -122,7 +137,9 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     tma_prefetch_desc(&tmap_sa);
     tma_prefetch_desc(&tmap_c);
   }
-  __syncthreads();
+  // The peer multicasts into our ring and arrives on our barriers: they must exist first.
+  if constexpr (CLUSTER > 1) cluster_sync();
+  else __syncthreads();
 
   if (wg == kMathWG) {
     // ------------------------------------------------------------------ producer warpgroup
@@ -132,38 +149,74 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
         const uint64_t keep = l2_policy_evict_last();  // tiles are re-read by other CTAs
         int s = 0;
         uint32_t phase = 0;
-        for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-          int mb, nb;
-          tile_coords(t, num_m, num_n, mb, nb);
+        for (int u = first_unit; u < num_units; u += unit_stride) {
+          int um, nb;
+          tile_coords(u, num_um, num_n, um, nb);
+          // A CTA whose tile lies past M (odd tile count) still carries its half of B for
+          // the peer; it reads a valid A block and stores nothing.
+          const int mb = min(um * CLUSTER + rank, num_m - 1);
           for (int kb = 0; kb < p.num_kb; ++kb) {
             mbar_wait(&empty[s], phase ^ 1);
             mbar_arrive_expect_tx(&full[s], L::kABytes + L::kBBytes + BM * 4);
             tma_load_2d(sA + s * L::kABytes, &tmap_a, &full[s], kb * kBlockK, mb * BM, keep);
-            tma_load_2d(sB + s * L::kBBytes, &tmap_b, &full[s], kb * kBlockK, nb * BN, keep);
+            if constexpr (CLUSTER == 1) {
+              tma_load_2d(sB + s * L::kBBytes, &tmap_b, &full[s], kb * kBlockK, nb * BN, keep);
+            } else {
+              constexpr int kHalf = BN / CLUSTER;
+              tma_load_2d_multicast(sB + s * L::kBBytes + rank * kHalf * kBlockK, &tmap_b,
+                                    &full[s], kb * kBlockK, nb * BN + rank * kHalf,
+                                    uint16_t((1 << CLUSTER) - 1), keep);
+            }
             tma_load_2d(sSA + s * BM, &tmap_sa, &full[s], mb * BM, kb, keep);
             if (++s == STAGES) { s = 0; phase ^= 1; }
           }
         }
       }
     } else if (warp_in_wg == 1) {
-      // B scales: tiny and strided (per-row layout), so plain loads into the stage's slot.
+      // B scales into each stage's slot. A global load is an L2 round trip (~1 us under a
+      // full GEMM's traffic), longer than a stage lasts, so it must never sit between "stage
+      // free" and "stage full": block scales are fetched 32 K blocks at a time into
+      // registers (lane i holds K block kb0 + i) and handed out per stage by shuffles.
       int s = 0;
       uint32_t phase = 0;
-      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-        int mb, nb;
-        tile_coords(t, num_m, num_n, mb, nb);
-        for (int kb = 0; kb < p.num_kb; ++kb) {
-          mbar_wait(&empty[s], phase ^ 1);
-          if constexpr (kPerRowB) {
-            for (int i = lane; i < BN; i += 32) {
-              const int n = nb * BN + i;
-              sSB[s * BN + i] = n < p.N ? __ldg(p.w_scale + size_t(n) * p.num_kb + kb) : 0.f;
+      const int num_nblk = (p.N + 127) / 128;
+      for (int u = first_unit; u < num_units; u += unit_stride) {
+        int um, nb;
+        tile_coords(u, num_um, num_n, um, nb);
+        const int blk = nb * BN / 128;  // the tile's first 128-row block (and blk + 1)
+        for (int kb0 = 0; kb0 < p.num_kb; kb0 += 32) {
+          float lo = 0.f, hi = 0.f;
+          if constexpr (!kPerRowB) {
+            const int kb = kb0 + lane;
+            if (kb < p.num_kb) {
+              lo = __ldg(p.w_scale + size_t(blk) * p.num_kb + kb);
+              if (kTwoBlocks && blk + 1 < num_nblk)
+                hi = __ldg(p.w_scale + size_t(blk + 1) * p.num_kb + kb);
             }
-          } else if (lane == 0) {
-            sSB[s * BN] = __ldg(p.w_scale + size_t(nb * BN / 128) * p.num_kb + kb);
           }
-          mbar_arrive(&full[s]);
-          if (++s == STAGES) { s = 0; phase ^= 1; }
+          const int kb_end = min(kb0 + 32, p.num_kb);
+          for (int kb = kb0; kb < kb_end; ++kb) {
+            mbar_wait(&empty[s], phase ^ 1);
+            if constexpr (kPerRowB) {
+              // per-row scales (tensor-parallel shards not on the 128 grid): BN values per
+              // stage, loaded in place (a rarer, slower path)
+              for (int i = lane; i < BN; i += 32) {
+                const int n = nb * BN + i;
+                sSB[s * BN + i] = n < p.N ? __ldg(p.w_scale + size_t(n) * p.num_kb + kb) : 0.f;
+              }
+              __syncwarp();
+              if (lane == 0) mbar_arrive(&full[s]);
+            } else {
+              const float vlo = __shfl_sync(0xffffffffu, lo, kb - kb0);
+              const float vhi = __shfl_sync(0xffffffffu, hi, kb - kb0);
+              if (lane == 0) {
+                sSB[s * BN] = vlo;
+                if constexpr (kTwoBlocks) sSB[s * BN + 1] = vhi;
+                mbar_arrive(&full[s]);
+              }
+            }
+            if (++s == STAGES) { s = 0; phase ^= 1; }
+          }
         }
       }
     }
@@ -172,63 +225,131 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     reg_alloc<232>();
     using Mma = WgmmaFp8<BN>;
     constexpr int kRegs = Mma::kRegs;
+    // Two partials when registers allow (BN = 128: 3 x 64 fp32 a thread): K block kb+1's
+    // wgmmas are issued before kb's partial is promoted, so the tensor cores never wait for
+    // a promotion. BN = 192 keeps one partial (3 x 96 would not fit in 232 registers), and so
+    // do per-row B scales (their promotion needs the registers: ptxas spills otherwise).
+    constexpr bool kTwoPartials = 3 * kRegs <= 192 && !kPerRowB;
     float acc[kRegs];
-    float part[kRegs];
+    float part0[kRegs];
+    float part1[kRegs];  // unused (and compiled away) with one partial
     const int row_in_wg = warp_in_wg * 16 + lane / 4;  // and +8
     const int col_q = 2 * (lane % 4);                  // + 8*j, and +1
     uint8_t* my_out = sOut + wg * 64 * BN * 2;
     int s = 0;
     uint32_t phase = 0;
-    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      int mb, nb;
-      tile_coords(t, num_m, num_n, mb, nb);
+
+    // Four m64nBNk32 wgmmas over stage st's 128-wide K block into P (overwritten), committed
+    // as one group.
+    auto issue = [&](float(&P)[kRegs], int st) {
+      const uint64_t da = make_smem_desc_sw128(sA + st * L::kABytes + wg * 64 * kBlockK);
+      const uint64_t db = make_smem_desc_sw128(sB + st * L::kBBytes);
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) fence_operand(P[i]);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockK / 32; ++kk) {
+        // +32 bytes along K inside the swizzle atom == +2 in the descriptor's address field
+        Mma::mma(P, da + 2 * kk, db + 2 * kk, kk > 0);
+      }
+      wgmma_commit();
+      // (no operand fence here: touching P before its wgmma.wait makes ptxas serialise the
+      // wgmmas, C7514; step() fences it after the wait)
+    };
+    // Stage st is read (wgmmas done, scales in registers): let the producer(s) refill it.
+    auto release = [&](int st) {
+      __syncwarp();
+      if constexpr (CLUSTER == 1) {
+        if (lane == 0) mbar_arrive(&empty[st]);
+      } else if (lane < CLUSTER) {
+        mbar_arrive_cluster(&empty[st], lane);  // lane r frees the stage for CTA r
+      }
+    };
+    // acc += P * sa[row] * sb[col] with the stage's scales (DeepSeek-V3 promotion).
+    auto promote = [&](const float(&P)[kRegs], int st, float sa0, float sa1, float lo, float hi,
+                       int boundary) {
+      if constexpr (kPerRowB) {
+        const float* sb = sSB + st * BN;
+#pragma unroll
+        for (int j = 0; j < kRegs / 4; ++j) {
+          const float b0 = sb[8 * j + col_q], b1 = sb[8 * j + col_q + 1];
+          acc[4 * j + 0] = fmaf(P[4 * j + 0], sa0 * b0, acc[4 * j + 0]);
+          acc[4 * j + 1] = fmaf(P[4 * j + 1], sa0 * b1, acc[4 * j + 1]);
+          acc[4 * j + 2] = fmaf(P[4 * j + 2], sa1 * b0, acc[4 * j + 2]);
+          acc[4 * j + 3] = fmaf(P[4 * j + 3], sa1 * b1, acc[4 * j + 3]);
+        }
+      } else {
+        const float s0lo = sa0 * lo, s1lo = sa1 * lo, s0hi = sa0 * hi, s1hi = sa1 * hi;
+#pragma unroll
+        for (int j = 0; j < kRegs / 4; ++j) {
+          // whole 8-column groups lie on one side of the boundary (a multiple of 64)
+          const bool first = !kTwoBlocks || 8 * j < boundary;
+          const float s0 = first ? s0lo : s0hi, s1 = first ? s1lo : s1hi;
+          acc[4 * j + 0] = fmaf(P[4 * j + 0], s0, acc[4 * j + 0]);
+          acc[4 * j + 1] = fmaf(P[4 * j + 1], s0, acc[4 * j + 1]);
+          acc[4 * j + 2] = fmaf(P[4 * j + 2], s1, acc[4 * j + 2]);
+          acc[4 * j + 3] = fmaf(P[4 * j + 3], s1, acc[4 * j + 3]);
+        }
+      }
+    };
+    // One K block. kNext: block kb+1's wgmmas go into Pn first (two partials); then wait for
+    // block kb (in Pc), free its stage and promote it. No branch between issue and wait:
+    // ptxas serialises wgmmas (C7514) when it cannot see which group a register belongs to.
+    // (kNext is a literal at every call: the branches fold away once inlined)
+    auto step = [&](const bool kNext, float(&Pc)[kRegs], float(&Pn)[kRegs], int boundary) {
+      const int sn = s + 1 == STAGES ? 0 : s + 1;
+      const uint32_t phn = sn == 0 ? phase ^ 1 : phase;
+      if (kNext) {
+        mbar_wait(&full[sn], phn);
+        issue(Pn, sn);
+      }
+      // the scales are read while the tensor cores work
+      const float sa0 = sSA[s * BM + wg * 64 + row_in_wg];
+      const float sa1 = sSA[s * BM + wg * 64 + row_in_wg + 8];
+      const float lo = sSB[s * BN], hi = kTwoBlocks ? sSB[s * BN + 1] : 0.f;
+      if (kNext) wgmma_wait<1>();
+      else wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) fence_operand(Pc[i]);
+      // Block scales are in registers now: free the stage before promoting, so the producer
+      // refills it one promotion earlier. Per-row B scales are read during the promotion.
+      if constexpr (!kPerRowB) release(s);
+      promote(Pc, s, sa0, sa1, lo, hi, boundary);
+      if constexpr (kPerRowB) release(s);
+      s = sn;
+      phase = phn;
+    };
+    constexpr bool kIssueNext = true, kLast = false;
+
+    for (int u = first_unit; u < num_units; u += unit_stride) {
+      int um, nb;
+      tile_coords(u, num_um, num_n, um, nb);
+      const int mb = um * CLUSTER + rank;
+      // columns [0, boundary) of this tile use the first weight-scale block, the rest the next
+      const int boundary = 128 * (nb * BN / 128 + 1) - nb * BN;
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) acc[i] = 0.f;
 
-      for (int kb = 0; kb < p.num_kb; ++kb) {
+      if constexpr (kTwoPartials) {
         mbar_wait(&full[s], phase);
-        const uint64_t da = make_smem_desc_sw128(sA + s * L::kABytes + wg * 64 * kBlockK);
-        const uint64_t db = make_smem_desc_sw128(sB + s * L::kBBytes);
-#pragma unroll
-        for (int i = 0; i < kRegs; ++i) fence_operand(part[i]);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBlockK / 32; ++kk) {
-          // +32 bytes along K inside the swizzle atom == +2 in the descriptor's address field
-          Mma::mma(part, da + 2 * kk, db + 2 * kk, kk > 0);
+        issue(part0, s);
+        int kb = 0;
+        for (; kb + 2 < p.num_kb; kb += 2) {
+          step(kIssueNext, part0, part1, boundary);
+          step(kIssueNext, part1, part0, boundary);
         }
-        wgmma_commit();
-        wgmma_wait<0>();
-#pragma unroll
-        for (int i = 0; i < kRegs; ++i) fence_operand(part[i]);
-
-        const float sa0 = sSA[s * BM + wg * 64 + row_in_wg];
-        const float sa1 = sSA[s * BM + wg * 64 + row_in_wg + 8];
-        if constexpr (kPerRowB) {
-          const float* sb = sSB + s * BN;
-#pragma unroll
-          for (int j = 0; j < kRegs / 4; ++j) {
-            const float b0 = sb[8 * j + col_q], b1 = sb[8 * j + col_q + 1];
-            acc[4 * j + 0] = fmaf(part[4 * j + 0], sa0 * b0, acc[4 * j + 0]);
-            acc[4 * j + 1] = fmaf(part[4 * j + 1], sa0 * b1, acc[4 * j + 1]);
-            acc[4 * j + 2] = fmaf(part[4 * j + 2], sa1 * b0, acc[4 * j + 2]);
-            acc[4 * j + 3] = fmaf(part[4 * j + 3], sa1 * b1, acc[4 * j + 3]);
-          }
+        if (kb + 1 < p.num_kb) {
+          step(kIssueNext, part0, part1, boundary);
+          step(kLast, part1, part0, boundary);
         } else {
-          const float sb = sSB[s * BN];
-          const float s0 = sa0 * sb, s1 = sa1 * sb;
-#pragma unroll
-          for (int j = 0; j < kRegs / 4; ++j) {
-            acc[4 * j + 0] = fmaf(part[4 * j + 0], s0, acc[4 * j + 0]);
-            acc[4 * j + 1] = fmaf(part[4 * j + 1], s0, acc[4 * j + 1]);
-            acc[4 * j + 2] = fmaf(part[4 * j + 2], s1, acc[4 * j + 2]);
-            acc[4 * j + 3] = fmaf(part[4 * j + 3], s1, acc[4 * j + 3]);
-          }
+          step(kLast, part0, part1, boundary);
         }
-        // All lanes have read this stage's scales; the wgmma reads finished at wait<0>.
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[s]);
-        if (++s == STAGES) { s = 0; phase ^= 1; }
+      } else {
+        for (int kb = 0; kb < p.num_kb; ++kb) {
+          mbar_wait(&full[s], phase);
+          issue(part0, s);
+          step(kLast, part0, part0, boundary);
+        }
       }
 
       // ------------------------------------------------------------------------ epilogue
@@ -258,7 +379,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       }
       fence_proxy_async_smem();
       named_barrier(1 + wg, 128);
-      if (wg_leader) {
+      if (wg_leader && mb < num_m) {
 #pragma unroll
         for (int cb = 0; cb < BN / 64; ++cb)
           tma_store_2d(&tmap_c, my_out + cb * 64 * 128, nb * BN + cb * 64, mb * BM + wg * 64);
@@ -267,6 +388,8 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
     }
     if (threadIdx.x % 128 == 0) tma_store_wait_all();
   }
+  // No CTA may exit while its peer can still multicast into it or arrive on its barriers.
+  if constexpr (CLUSTER > 1) cluster_sync();
 }
 
 }  // namespace fp8l

@@ -84,6 +84,32 @@ SM90_DECODE_ROWS = 128                     # weight rows per decode CTA
 SM90_FUSE_QUANT_MAX_M = SM90_DECODE_TILES[0]
 
 
+SM90_DECODE_TWO_PER_SM_MAX_BT = 32
+_FORCE_DECODE_CTAS = "FP8LINEAR_SM90_DECODE_CTAS"
+
+
+def _decode_ctas_per_sm(bt: int, kbs: int) -> int:
+    forced = os.environ.get(_FORCE_DECODE_CTAS)
+    if forced:
+        if forced not in ("1", "2"):
+            raise ValueError(f"{_FORCE_DECODE_CTAS}={forced!r}: expected 1 or 2")
+        # (the scale state must still leave a ring of >= 2 stages in half the memory)
+        fits = bt <= SM90_DECODE_TWO_PER_SM_MAX_BT and kbs * (bt + SM90_DECODE_ROWS) * 4 <= 65536
+        return 2 if forced == "2" and fits else 1
+    # Two CTAs an SM (half the shared memory, 80 registers a thread: token tiles <= 32 only)
+    # leave room for the next GEMM's CTAs beside ours, so under PDL they stream their weights
+    # while we reduce and exit, instead of the launch, ring fill and reduction of every
+    # decode GEMM running back to back. Needs the per-CTA scale state (token and per-row
+    # weight scales of the K range) to leave room for a ring in half the memory.
+    # Measured (H100): with an elementwise kernel between GEMMs, 1.1-1.3 us faster on 15-17 MB
+    # weights (K ranges of <= 8 blocks a CTA); 3 us slower back to back on 117 MB weights,
+    # whose long K ranges gain nothing from an earlier start and lose ring depth. Hence short
+    # K ranges only.
+    if bt <= SM90_DECODE_TWO_PER_SM_MAX_BT and kbs <= 16:
+        return 2
+    return 1
+
+
 def sm90_fuse_quant(m: int) -> bool:
     # Fusing activation quantization into the decode kernel saves a launch (~3-5 us in a
     # graph), but every CTA re-quantizes its activation slice (once per 128 weight rows). The
@@ -93,12 +119,49 @@ def sm90_fuse_quant(m: int) -> bool:
     return m <= SM90_FUSE_QUANT_MAX_M
 
 
-@functools.lru_cache(maxsize=4096)
+# The large-M kernel's tile configurations, index = config id; mirrors kConfigs in
+# csrc/sm90/gemm.cu: (BM, BN, stages, cluster size).
+SM90_GEMM_CONFIGS = ((128, 128, 5, 1), (64, 128, 8, 1), (128, 128, 5, 2), (128, 192, 4, 1))
+_FORCE_GEMM = "FP8LINEAR_SM90_GEMM_CONFIG"
+
+
+def _waves_x_area(m: int, n: int, num_sms: int, cfg) -> float:
+    # A configuration costs its wave count (a last, partial wave costs a full one) times its
+    # tile's time: the tile area, x 1.1 for 128x192, which keeps one partial accumulator
+    # (registers) and so loses its tensor cores during promotions (measured on full waves:
+    # 8192^2 x 4096, 128x192 tiles 1.63x the time of 128x128 ones for 1.5x the area).
+    bm, bn, _, cluster = cfg
+    tiles = cdiv(m, bm) * cdiv(n, bn)
+    return cdiv(tiles, num_sms // cluster * cluster) * bm * bn * (1.1 if bn == 192 else 1.0)
+
+
+def forced_gemm_config() -> int | None:
+    """FP8LINEAR_SM90_GEMM_CONFIG=i forces the large-M kernel with config i at every M
+    (tests cover each configuration; benchmarks compare them)."""
+    v = os.environ.get(_FORCE_GEMM)
+    if not v:
+        return None
+    i = int(v)
+    if not 0 <= i < len(SM90_GEMM_CONFIGS):
+        raise ValueError(f"{_FORCE_GEMM}={v!r}: expected 0..{len(SM90_GEMM_CONFIGS) - 1}")
+    return i
+
+
 def sm90_plan(m: int, n: int, k: int, num_sms: int, fused: bool = False):
-    """-> ("decode", config, splits) or ("gemm", config). Cached: shapes repeat every step.
+    """-> ("decode", config, splits, ctas_per_sm) or ("gemm", config).
 
     fused: the activations arrive in bf16/fp16 and the decode kernel quantizes them itself.
     """
+    forced = forced_gemm_config()
+    if forced is not None and not fused:
+        return ("gemm", forced)
+    # (the decode CTA count per SM can be forced too: part of the cache key)
+    return _sm90_plan(m, n, k, num_sms, fused, os.environ.get(_FORCE_DECODE_CTAS))
+
+
+@functools.lru_cache(maxsize=4096)
+def _sm90_plan(m: int, n: int, k: int, num_sms: int, fused: bool, _forced_ctas=None):
+    # Cached: the same shapes repeat every step.
     num_kb = cdiv(k, BLOCK)
     if m <= SM90_DECODE_MAX_M:
         # Decode is bound by reading the weights once. Swap-AB puts the tokens on wgmma's
@@ -112,13 +175,21 @@ def sm90_plan(m: int, n: int, k: int, num_sms: int, fused: bool = False):
         # Shared memory holds per-CTA activation state for the whole K range: the quantized
         # tiles when fused (8 x 128 B per K block, <= 64 KB), else the scales (<= 32 KB).
         max_kb = 65536 // (bt * 128) if fused else 32768 // (bt * 4)
-        splits = max(splits, cdiv(num_kb, max_kb))
-        return ("decode", config, min(splits, num_kb))
-    # Large M: 128x128 tiles (two math warpgroups) unless that leaves most SMs idle, where
-    # 64-row tiles double the CTA count.
+        splits = min(max(splits, cdiv(num_kb, max_kb)), num_kb)
+        return ("decode", config, splits, _decode_ctas_per_sm(bt, cdiv(num_kb, splits)))
+    # Large M: 64-row tiles when 128-row ones would leave most SMs idle (twice the CTAs).
     tiles128 = cdiv(m, 128) * cdiv(n, 128)
     if tiles128 < num_sms // 2:
         return ("gemm", 1)
+    # 128x192 tiles when they need fewer waves x area than 128x128 (N = 2112: 11 full tiles
+    # instead of 16.5; measured 1.05-1.2x at M = 1024-4096); ties keep 128x128.
+    if _waves_x_area(m, n, num_sms, SM90_GEMM_CONFIGS[3]) < \
+            _waves_x_area(m, n, num_sms, SM90_GEMM_CONFIGS[0]):
+        return ("gemm", 3)
+    # Pairs of CTAs multicasting the shared weight tile from M >= 4096: 1-4% faster there
+    # (less L2 traffic), 1-3% slower below, where the pair's lockstep costs more than it saves.
+    if m >= 4096:
+        return ("gemm", 2)
     return ("gemm", 0)
 
 

@@ -67,7 +67,7 @@ def _fallback():
     return triton_gemm
 
 
-def _decode(x, x_scale, w, w_scale, bias, out, config, splits):
+def _decode(x, x_scale, w, w_scale, bias, out, config, splits, ctas_per_sm):
     m, n = out.shape
     per_row = has_row_scales(w_scale, n)
     bt, rows = heuristics.SM90_DECODE_TILES[config], heuristics.SM90_DECODE_ROWS
@@ -77,7 +77,7 @@ def _decode(x, x_scale, w, w_scale, bias, out, config, splits):
     else:
         ws = torch.empty(0, dtype=torch.float32, device=x.device)
     build.load().decode(x, x_scale, w, w_scale, per_row, _bias(bias, out), out, ws,
-                        _tile_counters(x.device, tiles), config, splits, _pdl())
+                        _tile_counters(x.device, tiles), config, splits, ctas_per_sm, _pdl())
 
 
 def _gemm(a, a_scale_t, w, w_scale, bias, out, config):
@@ -107,7 +107,7 @@ def gemm(a, a_scale, w, w_scale, bias, out):
     n = w.shape[0]
     plan = heuristics.sm90_plan(m, n, k, _num_sms(a.device.index))
     if plan[0] == "decode":
-        _decode(a, a_scale, w, w_scale, bias, out, plan[1], plan[2])
+        _decode(a, a_scale, w, w_scale, bias, out, *plan[1:])
     else:
         _gemm(a, _scale_t(a_scale, m), w, w_scale, bias, out, plan[1])
 
@@ -119,7 +119,7 @@ def linear(x, w, w_scale, bias, out):
     n = w.shape[0]
     if heuristics.sm90_fuse_quant(m) and x.dtype != torch.float32:
         plan = heuristics.sm90_plan(m, n, k, _num_sms(x.device.index), True)
-        _decode(x, None, w, w_scale, bias, out, plan[1], plan[2])
+        _decode(x, None, w, w_scale, bias, out, *plan[1:])
         return
     plan = heuristics.sm90_plan(m, n, k, _num_sms(x.device.index))
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
@@ -127,6 +127,6 @@ def linear(x, w, w_scale, bias, out):
     build.load().quant(x, q, scale_t)
     if plan[0] == "decode":
         # token-major view of the [Kb, ld] scales: the decode kernel reads them by stride
-        _decode(q, scale_t[:, :m].t(), w, w_scale, bias, out, plan[1], plan[2])
+        _decode(q, scale_t[:, :m].t(), w, w_scale, bias, out, *plan[1:])
     else:
         _gemm(q, scale_t, w, w_scale, bias, out, plan[1])

@@ -355,6 +355,65 @@ def test_random_shapes(backend, case, monkeypatch):
     assert_close(y, ref, mag, what + " fp8_linear", bias=bias, elementwise=False)
 
 
+def _config_cases(config: int, count: int = 24) -> list[dict]:
+    """Cases for one forced large-M configuration: 16-bit outputs (fp32 goes to Triton), M
+    from 1 (a cluster's second CTA then lies wholly past M) to 8192, tails in N and K."""
+    cases = [dict(c, out=c["out"] if c["out"] != "fp32" else "bf16")
+             for c in gen_cases("sm90", count=count + len(FIXED), seed=100 + config)]
+    return cases[len(FIXED) - 6:len(FIXED) - 6 + count]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", range(len(__import__(
+    "fp8linear.kernels.heuristics", fromlist=["x"]).SM90_GEMM_CONFIGS)))
+def test_sm90_every_gemm_config(config, monkeypatch):
+    """Every tile configuration of the large-M kernel (the heuristic picks only some per
+    shape), forced through FP8LINEAR_SM90_GEMM_CONFIG, on random shapes and edge cases."""
+    _select("sm90", monkeypatch)
+    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_CONFIG", str(config))
+    from fp8linear.kernels import heuristics
+    for case in _config_cases(config):
+        m, n, k = case["m"], case["n"], case["k"]
+        assert heuristics.sm90_plan(m, n, k, 132) == ("gemm", config)
+        x, a, a_s, wq, ws, bias = make_data(case)
+        ref, mag = reference(a, a_s, wq, ws, bias)
+        dt = DTYPES[case["out"]]
+        out = _poisoned(m, n, dt)
+        fp8linear.block_fp8_gemm(a, a_s, wq, ws, out_dtype=dt, out=out, bias=bias)
+        torch.cuda.synchronize()
+        assert_close(out, ref, mag, f"sm90 config {config} {_case_id(case)}", bias=bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ctas", [1, 2])
+def test_sm90_decode_ctas_per_sm(ctas, monkeypatch):
+    """Both decode kernel variants (one CTA an SM with the whole register file, or two with
+    half the shared memory each), forced through FP8LINEAR_SM90_DECODE_CTAS, M 1..32."""
+    _select("sm90", monkeypatch)
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CTAS", str(ctas))
+    from fp8linear.kernels import heuristics
+    # (K <= 8192: longer K ranges per CTA keep one CTA an SM, see _decode_ctas_per_sm)
+    cases = [c for c in gen_cases("sm90", count=400, seed=200)
+             if c["m"] <= 32 and c["k"] <= 8192][:30]
+    for case in cases:
+        m, n, k = case["m"], case["n"], case["k"]
+        plan = heuristics.sm90_plan(m, n, k, 132)
+        assert plan[0] == "decode" and plan[3] == ctas, plan
+        x, a, a_s, wq, ws, bias = make_data(case)
+        ref, mag = reference(a, a_s, wq, ws, bias)
+        dt = DTYPES[case["out"]] if case["out"] != "fp32" else torch.bfloat16
+        out = _poisoned(m, n, dt)
+        fp8linear.block_fp8_gemm(a, a_s, wq, ws, out_dtype=dt, out=out, bias=bias)
+        torch.cuda.synchronize()
+        assert_close(out, ref, mag, f"sm90 decode ctas={ctas} {_case_id(case)}", bias=bias)
+        if x.dtype != torch.float32:
+            _poison_pool(m, n, x.dtype)
+            y = fp8linear.fp8_linear(x, wq, ws, bias)
+            torch.cuda.synchronize()
+            assert_close(y, ref, mag, f"sm90 decode ctas={ctas} fp8_linear {_case_id(case)}",
+                         bias=bias, elementwise=False)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(100, 256), (128, 200), (12, 24), (1000, 1000)])
 def test_sm90_rejects_unaligned(n, k, monkeypatch):

@@ -1,0 +1,21 @@
+"""ncu target: our large-M GEMM (config from FP8LINEAR_SM90_GEMM_CONFIG or the heuristic) and
+DeepGEMM's, same data, two launches each: dev_profile_dg.py M N K."""
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import bench_gemm as B  # noqa: E402
+
+m, n, k = (int(v) for v in sys.argv[1:4])
+libs = B.Libs(["fp8linear", "deepgemm"], probe_cublas=False)
+sd = B.ShapeData(n, k, 1, 0, seed=1)
+md = B.MData(sd, m, libs, seed=2)
+for meth in ("fp8linear", "deepgemm"):
+    f = B.make_launch(meth, sd, md, libs)
+    for _ in range(2):
+        f(0)
+torch.cuda.synchronize()
