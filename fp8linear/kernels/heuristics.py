@@ -53,6 +53,7 @@ def _module(name: str):
 
 
 def backend_for(device: torch.device, m: int, n: int, k: int):
+    """The backend module for one call (see the module docstring)."""
     if device.type != "cuda":
         # No GPU: the torch reference is the only path (and the definition of the numerics).
         if forced_backend() not in (None, "reference"):
@@ -229,6 +230,14 @@ def triton_config(m: int, n: int, k: int, a_bytes: int, weight_only: bool,
         # Compute-bound: 128x128 with 8 warps. Wider tiles (128x256) would need ~256
         # registers a thread for the total plus the per-block product the promotion needs.
         cfg = TritonConfig(128, 128, 8, 4)
+        # ... unless 128-column tiles leave a ragged last wave that 64-column ones fill:
+        # waves x tile area, 64-column tiles counted 15% less efficient (measured on the H100:
+        # 2112x7168 at M=1024, 136 tiles of 128x128 for 132 SMs ran 68 us, vLLM's tuned
+        # 64-column config 56 us).
+        def cost(bm, bn, eff):
+            return cdiv(cdiv(m, bm) * cdiv(n, bn), dev.sms) * bm * bn * eff
+        if cost(128, 64, 1.15) < cost(128, 128, 1.0):
+            cfg = TritonConfig(128, 64, 4, 4)
 
     if cfg.bn == 128 and cdiv(m, cfg.bm) * cdiv(n, 128) < dev.sms:
         # Too few tiles to fill the GPU: halve the tile width before resorting to split-K,

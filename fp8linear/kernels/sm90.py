@@ -56,6 +56,21 @@ def _pdl() -> bool:
     return os.environ.get("FP8LINEAR_PDL", "1") != "0"
 
 
+# FP8LINEAR_LOG_DISPATCH=1: print each distinct dispatch decision once (to stderr), e.g. to see
+# which kernel every layer of a served model runs. Read once; off costs one bool test a call.
+_LOG_DISPATCH = os.environ.get("FP8LINEAR_LOG_DISPATCH", "0") not in ("", "0")
+_logged: set = set()
+
+
+def _log(op, x, w, out, path):
+    key = (op, tuple(x.shape), tuple(w.shape), x.dtype, out.dtype, path)
+    if key not in _logged:
+        _logged.add(key)
+        import sys
+        print(f"fp8linear dispatch: {op} x{tuple(x.shape)} {x.dtype} w{tuple(w.shape)} -> "
+              f"{out.dtype}: {path}", file=sys.stderr, flush=True)
+
+
 def _bias(bias, out):
     if bias is not None and bias.dtype != out.dtype:
         bias = bias.to(out.dtype)
@@ -102,10 +117,14 @@ def _tma_aligned(*ts) -> bool:
 def gemm(a, a_scale, w, w_scale, bias, out):
     # the CUDA epilogue writes 16-bit outputs only
     if out.dtype == torch.float32 or not _tma_aligned(a, w, out):
+        if _LOG_DISPATCH:
+            _log("block_fp8_gemm", a, w, out, "triton (fp32 output or unaligned pointer)")
         return _fallback().gemm(a, a_scale, w, w_scale, bias, out)
     m, k = a.shape
     n = w.shape[0]
     plan = heuristics.sm90_plan(m, n, k, _num_sms(a.device.index))
+    if _LOG_DISPATCH:
+        _log("block_fp8_gemm", a, w, out, f"sm90 {plan}")
     if plan[0] == "decode":
         _decode(a, a_scale, w, w_scale, bias, out, *plan[1:])
     else:
@@ -114,14 +133,20 @@ def gemm(a, a_scale, w, w_scale, bias, out):
 
 def linear(x, w, w_scale, bias, out):
     if out.dtype == torch.float32 or not _tma_aligned(x, w, out):
+        if _LOG_DISPATCH:
+            _log("fp8_linear", x, w, out, "triton (fp32 output or unaligned pointer)")
         return _fallback().linear(x, w, w_scale, bias, out)
     m, k = x.shape
     n = w.shape[0]
     if heuristics.sm90_fuse_quant(m) and x.dtype != torch.float32:
         plan = heuristics.sm90_plan(m, n, k, _num_sms(x.device.index), True)
+        if _LOG_DISPATCH:
+            _log("fp8_linear", x, w, out, f"sm90 fused quant + {plan}")
         _decode(x, None, w, w_scale, bias, out, *plan[1:])
         return
     plan = heuristics.sm90_plan(m, n, k, _num_sms(x.device.index))
+    if _LOG_DISPATCH:
+        _log("fp8_linear", x, w, out, f"sm90 quant kernel + {plan}")
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     scale_t = torch.empty(cdiv(k, BLOCK), cdiv(m, 4) * 4, dtype=torch.float32, device=x.device)
     build.load().quant(x, q, scale_t)
