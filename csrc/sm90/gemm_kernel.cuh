@@ -127,9 +127,13 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(&full[s], 2);  // the TMA thread's expect_tx + the B-scale warp
-      // one arrival per math warp of every CTA whose B half lands in this stage
-      mbar_init(&empty[s], kMathWG * 4 * CLUSTER);
+      // the TMA thread's expect_tx + every thread that wrote B scales into the stage (each
+      // writer arrives itself, so its writes are ordered before the consumers' reads)
+      mbar_init(&full[s], kPerRowB ? 1 + 32 : 2);
+      // Frees a stage: per math warp of this CTA and of its peer (whose B half lands here)
+      // one arrival; with per-row B scales, every lane of our own warps (each read its own
+      // scales from the stage, and arrives itself so its reads are ordered before the refill).
+      mbar_init(&empty[s], kPerRowB ? kMathWG * 4 * (32 + CLUSTER - 1) : kMathWG * 4 * CLUSTER);
     }
     fence_barrier_init();
     tma_prefetch_desc(&tmap_a);
@@ -204,8 +208,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
                 const int n = nb * BN + i;
                 sSB[s * BN + i] = n < p.N ? __ldg(p.w_scale + size_t(n) * p.num_kb + kb) : 0.f;
               }
-              __syncwarp();
-              if (lane == 0) mbar_arrive(&full[s]);
+              mbar_arrive(&full[s]);
             } else {
               const float vlo = __shfl_sync(0xffffffffu, lo, kb - kb0);
               const float vhi = __shfl_sync(0xffffffffu, hi, kb - kb0);
@@ -257,12 +260,20 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       // wgmmas, C7514; step() fences it after the wait)
     };
     // Stage st is read (wgmmas done, scales in registers): let the producer(s) refill it.
+    // Whoever read the stage's B scales with ordinary loads arrives itself: lane 0 (block
+    // scales, shuffled to the warp) or every lane (per-row scales).
     auto release = [&](int st) {
-      __syncwarp();
-      if constexpr (CLUSTER == 1) {
-        if (lane == 0) mbar_arrive(&empty[st]);
-      } else if (lane < CLUSTER) {
-        mbar_arrive_cluster(&empty[st], lane);  // lane r frees the stage for CTA r
+      if constexpr (kPerRowB) {
+        mbar_arrive(&empty[st]);
+        if (CLUSTER > 1 && lane == 0) mbar_arrive_cluster(&empty[st], rank ^ 1);
+      } else {
+        __syncwarp();
+        if constexpr (CLUSTER == 1) {
+          if (lane == 0) mbar_arrive(&empty[st]);
+        } else if (lane < CLUSTER) {
+          // lane 0 frees our stage, lane 1 the peer's (whose B half came from us)
+          mbar_arrive_cluster(&empty[st], lane == 0 ? rank : rank ^ 1);
+        }
       }
     };
     // acc += P * sa[row] * sb[col] with the stage's scales (DeepSeek-V3 promotion).
@@ -306,7 +317,16 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       // the scales are read while the tensor cores work
       const float sa0 = sSA[s * BM + wg * 64 + row_in_wg];
       const float sa1 = sSA[s * BM + wg * 64 + row_in_wg + 8];
-      const float lo = sSB[s * BN], hi = kTwoBlocks ? sSB[s * BN + 1] : 0.f;
+      // block scales are warp-uniform: lane 0 reads them, a shuffle hands them out
+      float lo = 0.f, hi = 0.f;
+      if constexpr (!kPerRowB) {
+        if (lane == 0) {
+          lo = sSB[s * BN];
+          if constexpr (kTwoBlocks) hi = sSB[s * BN + 1];
+        }
+        lo = __shfl_sync(0xffffffffu, lo, 0);
+        if constexpr (kTwoBlocks) hi = __shfl_sync(0xffffffffu, hi, 0);
+      }
       if (kNext) wgmma_wait<1>();
       else wgmma_wait<0>();
 #pragma unroll

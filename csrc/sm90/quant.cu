@@ -1,5 +1,5 @@
-// Per-token, per-128-channel activation quantization (the large-M path's first launch; the
-// decode kernel quantizes inside its own launch instead). One warp per (token, 128 channels):
+// Per-token, per-128-channel activation quantization: the first launch of fp8_linear on the
+// large-M path and on the decode path where the decode kernel does not quantize itself. One warp per (token, 128 channels):
 // each lane holds 4 values, a shuffle reduction gives the group's amax.
 // Numerics equal fp8linear.quant.quantize_activation: scale = max(amax, 1e-10) / 448, then
 // x / scale (IEEE division) rounded to nearest e4m3, saturating.
@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "sm90/api.h"
+#include "common/ptx.cuh"
 #include "sm90/quant.cuh"
 
 namespace fp8l {
@@ -18,6 +19,11 @@ namespace {
 template <typename T>
 __global__ void quant_kernel(const T* __restrict__ x, uint8_t* __restrict__ q,
                              float* __restrict__ scale_t, int scale_ld, int M, int K, int num_kb) {
+  // The GEMM launched after us (programmatic dependent launch) may start now: its weight
+  // stream does not depend on us, and it waits (griddepcontrol.wait) for our complete,
+  // flushed output before it reads the activations. This hides the GEMM's launch and ring
+  // fill behind the quantization instead of after it.
+  pdl_launch_dependents();
   const long gid = (long(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (gid >= long(M) * num_kb) return;

@@ -81,8 +81,10 @@ def sm90_shape_ok(n: int, k: int) -> bool:
 SM90_DECODE_TILES = (8, 16, 32, 64, 128)  # token tile of decode config i = 8 << i
 SM90_DECODE_MAX_M = 64
 SM90_DECODE_ROWS = 128                     # weight rows per decode CTA
-# The decode kernel fuses quantization only in its smallest token tile (one math warp per token).
+# The decode kernel fuses quantization only in its smallest token tile (one math warp per
+# token) and for short K ranges per CTA (see sm90_fuse_quant).
 SM90_FUSE_QUANT_MAX_M = SM90_DECODE_TILES[0]
+SM90_FUSE_QUANT_MAX_KBS = 8
 
 
 SM90_DECODE_TWO_PER_SM_MAX_BT = 32
@@ -111,13 +113,18 @@ def _decode_ctas_per_sm(bt: int, kbs: int) -> int:
     return 1
 
 
-def sm90_fuse_quant(m: int) -> bool:
-    # Fusing activation quantization into the decode kernel saves a launch (~3-5 us in a
-    # graph), but every CTA re-quantizes its activation slice (once per 128 weight rows). The
-    # kernel gives one math warp per token, so fusing covers the 8-token tile; above, the
-    # separate quant kernel + fp8 decode wins (measured v1: M=64 on 4096x4096, 41.9 us fused
-    # vs 17.2 us for the GEMM alone).
-    return m <= SM90_FUSE_QUANT_MAX_M
+def sm90_fuse_quant(m: int, kbs: int) -> bool:
+    """Quantize bf16/fp16 activations inside the decode kernel (M tokens, kbs K blocks a CTA)?
+
+    Fusing saves the quantization launch, but every CTA re-quantizes its activation slice
+    (once per 128 weight rows), one math warp per token, one K block ahead of the tensor
+    cores, with a block-wide barrier per K block. Measured on the H100 (bench_gemm --decode,
+    fp8_linear vs block_fp8_gemm): +0.3-0.5 us over the fp8-input GEMM for K ranges of <= 8
+    blocks, but +5 us at 14-16 blocks and +8-45 us on the 117 MB weights (128+ blocks),
+    where the separate quant kernel (overlapped with the GEMM's weight stream by PDL) costs
+    less; above M=8 (two tokens a warp) the fused kernel was never faster.
+    """
+    return m <= SM90_FUSE_QUANT_MAX_M and kbs <= SM90_FUSE_QUANT_MAX_KBS
 
 
 # The large-M kernel's tile configurations, index = config id; mirrors kConfigs in
@@ -238,6 +245,11 @@ def triton_config(m: int, n: int, k: int, a_bytes: int, weight_only: bool,
             return cdiv(cdiv(m, bm) * cdiv(n, bn), dev.sms) * bm * bn * eff
         if cost(128, 64, 1.15) < cost(128, 128, 1.0):
             cfg = TritonConfig(128, 64, 4, 4)
+        if cdiv(k, BLOCK) <= 4:
+            # Short K (e.g. 32768x512): a tile is mostly prologue and epilogue; 64x128 tiles
+            # with 4 warps let several programs share an SM and overlap one's epilogue with
+            # another's loads (measured 310 vs vLLM's tuned 64x128 286 us at M=4096).
+            cfg = TritonConfig(64, 128, 4, 3)
 
     if cfg.bn == 128 and cdiv(m, cfg.bm) * cdiv(n, 128) < dev.sms:
         # Too few tiles to fill the GPU: halve the tile width before resorting to split-K,
@@ -268,6 +280,8 @@ def triton_config(m: int, n: int, k: int, a_bytes: int, weight_only: bool,
     tiles = cdiv(m, cfg.bm) * cdiv(n, cfg.bn)
     kb = cdiv(k, BLOCK)
     split = 1
-    if tiles < dev.sms and kb >= 8:
+    # (only below half the SMs: at 112 tiles on 132 SMs, 7168x2048 x 16, three splits cost
+    # more in workspace traffic than the idle SMs: 10.5 us vs vLLM's unsplit 9.7)
+    if 2 * tiles <= dev.sms and kb >= 8:
         split = min(cdiv(2 * dev.sms, tiles), kb // 4, 16, max(1, k // (32 * m)))
     return cfg._replace(split=max(1, split))

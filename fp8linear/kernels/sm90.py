@@ -2,7 +2,8 @@
 
 Two kernels sit behind the backend protocol, chosen by heuristics.sm90_plan:
 - decode (M <= 64): swap-AB, split-K; activation quantization fused into the launch up to
-  M = 8 (heuristics.sm90_fuse_quant), a separate quantization kernel above;
+  M = 8 with short K ranges per CTA (heuristics.sm90_fuse_quant), else a separate
+  quantization kernel first (it lets the GEMM start early under PDL);
 - large M: quantization kernel, then the persistent TMA/wgmma GEMM.
 Python here only reshapes metadata and allocates outputs/workspaces from the torch allocator
 (CUDA-graph safe); every check that matters ran in ops.py before we get here.
@@ -138,12 +139,13 @@ def linear(x, w, w_scale, bias, out):
         return _fallback().linear(x, w, w_scale, bias, out)
     m, k = x.shape
     n = w.shape[0]
-    if heuristics.sm90_fuse_quant(m) and x.dtype != torch.float32:
+    if m <= heuristics.SM90_FUSE_QUANT_MAX_M and x.dtype != torch.float32:
         plan = heuristics.sm90_plan(m, n, k, _num_sms(x.device.index), True)
-        if _LOG_DISPATCH:
-            _log("fp8_linear", x, w, out, f"sm90 fused quant + {plan}")
-        _decode(x, None, w, w_scale, bias, out, *plan[1:])
-        return
+        if heuristics.sm90_fuse_quant(m, cdiv(cdiv(k, BLOCK), plan[2])):
+            if _LOG_DISPATCH:
+                _log("fp8_linear", x, w, out, f"sm90 fused quant + {plan}")
+            _decode(x, None, w, w_scale, bias, out, *plan[1:])
+            return
     plan = heuristics.sm90_plan(m, n, k, _num_sms(x.device.index))
     if _LOG_DISPATCH:
         _log("fp8_linear", x, w, out, f"sm90 quant kernel + {plan}")

@@ -14,6 +14,8 @@ quant, M <= 64; large M: quant kernel + TMA/wgmma GEMM), tails in M, N and K (pa
 scale blocks), both weight-scale granularities, bias, bf16 and fp16 outputs, block_fp8_gemm
 and fp8_linear. Data and references are made on the CPU, so the GPU runs little besides our
 kernels (and the instrumented run stays short). Exit code 0 only if every result is right.
+FP8LINEAR_SM90_GEMM_CONFIG=i runs every case through large-M configuration i (the cluster and
+128x192 configurations are not picked for shapes this small otherwise).
 """
 from __future__ import annotations
 
@@ -34,13 +36,14 @@ import fp8linear  # noqa: E402
 CASES = [
     (1, 136, 272, False, torch.bfloat16, True),      # decode, one token, tails in N and K
     (7, 264, 400, True, torch.float16, False),       # decode, per-row scales, K tail of 16
+    (12, 264, 1040, True, torch.float16, True),      # decode, 16-token tile, fused quant
     (33, 128, 1040, False, torch.bfloat16, True),    # decode, larger token tile, split K
     (64, 200, 528, True, torch.bfloat16, False),     # decode, largest M of the decode path
     (65, 136, 272, False, torch.bfloat16, True),     # large-M path, smallest M
     (300, 264, 400, True, torch.float16, True),      # large-M path, M tail, per-row
     (1000, 392, 1040, False, torch.bfloat16, False), # large-M path, several tiles
 ]
-QUICK = [0, 2, 4, 5]   # racecheck is slow on warp-specialized kernels: fewer cases
+QUICK = [0, 2, 5, 6, 7]   # racecheck is slow on warp-specialized kernels: fewer cases
 
 
 def deq64(q, s):
