@@ -280,8 +280,9 @@ def triton_config(m: int, n: int, k: int, a_bytes: int, weight_only: bool,
     tiles = cdiv(m, cfg.bm) * cdiv(n, cfg.bn)
     kb = cdiv(k, BLOCK)
     split = 1
-    # (only below half the SMs: at 112 tiles on 132 SMs, 7168x2048 x 16, three splits cost
-    # more in workspace traffic than the idle SMs: 10.5 us vs vLLM's unsplit 9.7)
-    if 2 * tiles <= dev.sms and kb >= 8:
+    # Between half and all the SMs, only for long K: at 112 tiles on 132 SMs, 7168x2048 x 16
+    # (16 K blocks) ran 8.6 us unsplit vs 10.5 split, while 7168x16384 x 1 (128 K blocks)
+    # and 8192x28672 ran 10-20% faster split (H100, bench_gemm).
+    if tiles < dev.sms and kb >= 8 and (2 * tiles <= dev.sms or kb >= 32):
         split = min(cdiv(2 * dev.sms, tiles), kb // 4, 16, max(1, k // (32 * m)))
     return cfg._replace(split=max(1, split))
