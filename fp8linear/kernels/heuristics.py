@@ -280,9 +280,10 @@ def triton_config(m: int, n: int, k: int, a_bytes: int, weight_only: bool,
     tiles = cdiv(m, cfg.bm) * cdiv(n, cfg.bn)
     kb = cdiv(k, BLOCK)
     split = 1
-    # Between half and all the SMs, only for long K: at 112 tiles on 132 SMs, 7168x2048 x 16
-    # (16 K blocks) ran 8.6 us unsplit vs 10.5 split, while 7168x16384 x 1 (128 K blocks)
-    # and 8192x28672 ran 10-20% faster split (H100, bench_gemm).
-    if tiles < dev.sms and kb >= 8 and (2 * tiles <= dev.sms or kb >= 32):
+    # Between half and all the SMs, only for long K and few tokens: at 112 tiles on 132 SMs,
+    # 7168x2048 x 16 (16 K blocks) ran 8.6 us unsplit vs 10.5 split, 7168x16384 x 64 51.7
+    # vs 58.8, while 7168x16384 x 1 (128 K blocks) and 8192x28672 x 1-16 ran 10-20% faster
+    # split (H100, bench_gemm).
+    if tiles < dev.sms and kb >= 8 and (2 * tiles <= dev.sms or (kb >= 32 and m <= 16)):
         split = min(cdiv(2 * dev.sms, tiles), kb // 4, 16, max(1, k // (32 * m)))
     return cfg._replace(split=max(1, split))

@@ -1,0 +1,80 @@
+"""The dispatch rules of fp8linear/kernels/heuristics.py, on the CPU: each measured rule picks
+what the H100 measurements it cites found fastest (benchmarks/NOTES.md)."""
+from __future__ import annotations
+
+import pytest
+
+from fp8linear.kernels import heuristics as h
+
+SMS = 132
+H100 = h.TritonDevice(SMS, 227 * 1024, False, (9, 0))
+
+
+@pytest.mark.parametrize("m,n,k,config", [
+    (128, 4096, 4096, 1),     # 32 tiles of 128x128 for 132 SMs: 64-row tiles
+    (512, 8192, 8192, 0),     # full waves of 128x128
+    (1024, 2112, 7168, 3),    # 2112 = 11 x 192: one wave of 128x192 instead of two
+    (4096, 2112, 7168, 3),
+    (8192, 8192, 8192, 2),    # M >= 4096: 2-CTA multicast (ties keep 128x128)
+    (4096, 4096, 4096, 2),
+    (2048, 4096, 4096, 0),
+])
+def test_large_m_configs(m, n, k, config):
+    assert h.sm90_plan(m, n, k, SMS) == ("gemm", config)
+
+
+def test_forced_gemm_config(monkeypatch):
+    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_CONFIG", "2")
+    assert h.sm90_plan(1, 4096, 4096, SMS) == ("gemm", 2)       # any M, even decode sizes
+    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_CONFIG", str(len(h.SM90_GEMM_CONFIGS)))
+    with pytest.raises(ValueError, match="FP8LINEAR_SM90_GEMM_CONFIG"):
+        h.sm90_plan(1, 4096, 4096, SMS)
+
+
+@pytest.mark.parametrize("m,n,k,tile,splits,ctas", [
+    (1, 4096, 4096, 0, 4, 2),       # 8 K blocks a CTA: two CTAs an SM
+    (1, 2112, 7168, 0, 7, 2),
+    (1, 7168, 16384, 0, 2, 1),      # 64 K blocks a CTA: one CTA an SM
+    (16, 4096, 4096, 1, 4, 2),
+    (64, 4096, 4096, 3, 4, 1),      # 64-token tiles never pair up (registers)
+])
+def test_decode_plans(m, n, k, tile, splits, ctas):
+    assert h.sm90_plan(m, n, k, SMS) == ("decode", tile, splits, ctas)
+
+
+def test_decode_ctas_forced(monkeypatch):
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CTAS", "1")
+    assert h.sm90_plan(1, 4096, 4096, SMS)[3] == 1
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CTAS", "2")
+    assert h.sm90_plan(1, 7168, 16384, SMS)[3] == 2
+    assert h.sm90_plan(64, 4096, 4096, SMS)[3] == 1                # not for 64-token tiles
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CTAS", "3")
+    with pytest.raises(ValueError, match="FP8LINEAR_SM90_DECODE_CTAS"):
+        h.sm90_plan(1, 4096, 4096, SMS)
+
+
+@pytest.mark.parametrize("m,kbs,fused", [(1, 8, True), (8, 8, True), (8, 9, False),
+                                         (1, 64, False), (9, 1, False)])
+def test_fuse_quant_only_short_k_ranges(m, kbs, fused):
+    assert h.sm90_fuse_quant(m, kbs) is fused
+
+
+@pytest.mark.parametrize("m,n,k,split", [
+    (1, 7168, 16384, 3),    # 112 tiles, 128 K blocks, one token: split (47.8 vs 58.5 us)
+    (16, 8192, 28672, 3),
+    (64, 7168, 16384, 1),   # 64 tokens: unsplit (51.7 vs 58.8 us)
+    (16, 7168, 2048, 1),    # 16 K blocks: unsplit (8.6 vs 10.5 us)
+    (1, 4096, 4096, 5),     # 64 tiles, under half the SMs: split (to ~2 waves)
+])
+def test_triton_split_k(m, n, k, split):
+    assert h.triton_config(m, n, k, 1, False, H100).split == split
+
+
+@pytest.mark.parametrize("m,n,k,bm,bn", [
+    (1024, 2112, 7168, 128, 64),    # 136 tiles of 128x128 for 132 SMs: 64-column tiles
+    (4096, 4096, 4096, 128, 128),
+    (4096, 32768, 512, 64, 128),    # 4 K blocks: small tiles, several programs an SM
+])
+def test_triton_large_m_tiles(m, n, k, bm, bn):
+    cfg = h.triton_config(m, n, k, 1, False, H100)
+    assert (cfg.bm, cfg.bn) == (bm, bn)
