@@ -15,6 +15,23 @@ struct Config {
 };
 constexpr Config kConfigs[] = {{128, 128, 5, 1}, {64, 128, 8, 1}, {128, 128, 5, 2}, {128, 192, 4, 1}};
 
+// A launch of `grid` CTAs in clusters of `cluster` along x; `attr` must outlive the config.
+cudaLaunchConfig_t cluster_launch(int grid, int threads, int smem, cudaStream_t stream,
+                                  int cluster, cudaLaunchAttribute* attr) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = cluster;
+  attr->val.clusterDim.y = 1;
+  attr->val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
 // CTAs of a cluster kernel that can be resident at once (clusters must fit inside a GPC);
 // queried once per kernel and device: the occupancy call costs host time on every step.
 template <auto Kernel>
@@ -23,17 +40,8 @@ int max_cluster_ctas(int cluster, int smem, int threads, int num_sms) {
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev >= 64) return num_sms;
   if (cached[dev] == 0) {
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(num_sms);
-    cfg.blockDim = dim3(threads);
-    cfg.dynamicSmemBytes = smem;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = cluster;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = cluster_launch(num_sms, threads, smem, nullptr, cluster, &attr);
     int clusters = 0;
     if (cudaOccupancyMaxActiveClusters(&clusters, Kernel, &cfg) != cudaSuccess || clusters <= 0)
       clusters = num_sms / cluster;
@@ -79,18 +87,8 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   if constexpr (CLUSTER == 1) {
     kernel<<<grid, kThreads, L::kAlloc, stream>>>(ta, tb, tsa, tc, p);
   } else {
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(grid);
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = L::kAlloc;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = CLUSTER;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = cluster_launch(grid, kThreads, L::kAlloc, stream, CLUSTER, &attr);
     err = cudaLaunchKernelEx(&cfg, kernel, ta, tb, tsa, tc, p);
     if (err != cudaSuccess) return cudaGetErrorString(err);
   }
