@@ -630,8 +630,12 @@ def validate_quantized_checkpoint(path, source: Optional[CheckpointDir] = None) 
         if e.dtype == "F8_E4M3":
             sname = name + SCALE_SUFFIX
             s = ckpt.entries.get(sname)
-            n, k = e.shape
-            want = (cdiv(n, BLOCK), cdiv(k, BLOCK))
+            if len(e.shape) < 2:
+                raise CheckpointError(f"{e.file}: fp8 tensor '{name}' has shape "
+                                      f"{list(e.shape)}; block-FP8 weights are at least 2-D")
+            # [..., N, K] (stacked experts keep their leading dims): a scale per 128x128 block
+            *lead, n, k = e.shape
+            want = (*lead, cdiv(n, BLOCK), cdiv(k, BLOCK))
             if s is None or s.dtype != "F32" or s.shape != want:
                 raise CheckpointError(f"{e.file}: fp8 tensor '{name}' needs an F32 '{sname}' "
                                       f"of shape {list(want)}, found "

@@ -17,6 +17,12 @@ _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 # ----------------------------------------------------------------------------- checks
+def _describe(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"shape {tuple(t.shape)} {t.dtype}"
+    return type(t).__name__
+
+
 def _fail(msg: str):
     raise ValueError(msg)
 
@@ -42,7 +48,8 @@ def check_weight(w: torch.Tensor, w_scale: torch.Tensor, name: str = "weight") -
     kb = cdiv(k, BLOCK)
     if not isinstance(w_scale, torch.Tensor) or w_scale.dim() != 2:
         _fail(f"{name}_scale_inv must be a 2-D fp32 tensor of shape "
-              f"({cdiv(n, BLOCK)}, {kb}) (128x128 blocks) or ({n}, {kb}) (per row)")
+              f"({cdiv(n, BLOCK)}, {kb}) (128x128 blocks) or ({n}, {kb}) (per row), got "
+              + _describe(w_scale))
     if tuple(w_scale.shape) not in ((cdiv(n, BLOCK), kb), (n, kb)):
         _fail(f"{name}_scale_inv has shape {tuple(w_scale.shape)} but {name} is [{n}, {k}]: "
               f"expected ({cdiv(n, BLOCK)}, {kb}) for 128x128 blocks or ({n}, {kb}) per row")
@@ -79,7 +86,8 @@ def _check_gemm(a, a_scale, w, w_scale, bias, out_dtype):
     check_weight(w, w_scale)
     n, k = w.shape
     if not isinstance(a, torch.Tensor) or a.dim() != 2:
-        _fail(f"a (activations) must be a 2-D [M, {k}] float8_e4m3fn tensor")
+        _fail(f"a (activations) must be a 2-D [M, {k}] float8_e4m3fn tensor, got "
+              + _describe(a))
     m = a.shape[0]
     _check_2d_contiguous(a, "a (activations)", FP8_DTYPE, (m, k))
     _check_2d_contiguous(a_scale, "a_scale", torch.float32, (m, cdiv(k, BLOCK)))

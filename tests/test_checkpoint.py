@@ -404,6 +404,21 @@ def test_validate_catches_bad_scales(converted):
         validate_quantized_checkpoint(converted)
 
 
+def test_validate_checks_stacked_and_rejects_1d_fp8_tensors(converted):
+    # stacked experts [E, N, K] need scales [E, ceil(N/128), ceil(K/128)]
+    name = "model.layers.0.mlp.down_proj.weight"
+    rewrite(converted, name, torch.zeros(4, 200, 300).to(torch.float8_e4m3fn))
+    rewrite(converted, name + "_scale_inv", torch.ones(4, 2, 3))
+    validate_quantized_checkpoint(converted)
+    rewrite(converted, name + "_scale_inv", torch.ones(2, 3))
+    with pytest.raises(CheckpointError, match=r"of shape \[4, 2, 3\], found F32 \[2, 3\]"):
+        validate_quantized_checkpoint(converted)
+    rewrite(converted, name, torch.zeros(300).to(torch.float8_e4m3fn))
+    with pytest.raises(CheckpointError, match=rf"fp8 tensor '{name}' has shape \[300\]; "
+                                              r"block-FP8 weights are at least 2-D"):
+        validate_quantized_checkpoint(converted)
+
+
 def test_validate_catches_an_incomplete_index(converted):
     wm = read_index(converted)
     del wm["model.norm.weight"]

@@ -276,3 +276,15 @@ def test_torch_compile_fullgraph_matches_eager():
     for lead in [(3,), (2, 5)]:
         x = ref.random_matrix(math.prod(lead), 200, g).to(torch.bfloat16).reshape(*lead, 200)
         assert torch.equal(compiled(x), f(x))
+
+
+def test_shape_errors_say_what_they_got():
+    w = torch.zeros(256, 256).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"a \(activations\) must be a 2-D \[M, 256\] "
+                                         r"float8_e4m3fn tensor, got shape \(3, 4, 256\)"):
+        fp8linear.block_fp8_gemm(torch.zeros(3, 4, 256).to(torch.float8_e4m3fn),
+                                 torch.ones(3, 2), w, torch.ones(2, 2))
+    with pytest.raises(ValueError, match=r"weight_scale_inv must be a 2-D fp32 tensor of shape "
+                                         r"\(2, 2\) .* got shape \(2,\)"):
+        fp8linear.block_fp8_gemm(torch.zeros(3, 256).to(torch.float8_e4m3fn),
+                                 torch.ones(3, 2), w, torch.ones(2))

@@ -42,6 +42,14 @@ def _cuda_default(index: int) -> str:
     return "triton"
 
 
+@functools.lru_cache(maxsize=None)
+def _check_sm90_device(index: int) -> None:
+    # A forced sm90 backend on another GPU would build for sm_90a and fail at launch: say so
+    # before anything runs (BuildError names the GPU's compute capability).
+    from . import build
+    build.device_arch(index)
+
+
 def _module(name: str):
     if name == "reference":
         return reference
@@ -61,6 +69,9 @@ def backend_for(device: torch.device, m: int, n: int, k: int):
                           f"using the torch reference", stacklevel=3)
         return reference
     name = forced_backend() or _cuda_default(device.index or 0)
+    if forced_backend() == "sm90":
+        _check_sm90_device(device.index if device.index is not None else
+                           torch.cuda.current_device())
     if name == "sm90" and not sm90_shape_ok(n, k):
         if forced_backend() == "sm90":
             from . import sm90

@@ -78,3 +78,19 @@ def test_triton_split_k(m, n, k, split):
 def test_triton_large_m_tiles(m, n, k, bm, bn):
     cfg = h.triton_config(m, n, k, 1, False, H100)
     assert (cfg.bm, cfg.bn) == (bm, bn)
+
+
+def test_forced_sm90_on_another_gpu_fails_before_launch(monkeypatch):
+    import torch
+
+    from fp8linear.kernels import build
+    monkeypatch.setenv("FP8LINEAR_BACKEND", "sm90")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (8, 9))
+    h._check_sm90_device.cache_clear()
+    try:
+        with pytest.raises(build.BuildError, match=r"need an sm_90 \(Hopper\) GPU, this one "
+                                                   r"is sm_89"):
+            h.backend_for(torch.device("cuda", 0), 1, 128, 128)
+    finally:
+        h._check_sm90_device.cache_clear()
