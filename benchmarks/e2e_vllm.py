@@ -34,7 +34,8 @@ FULL_AND_PIECEWISE) with the same capture sizes.
 Workloads per engine: greedy decode, prompt --prompt-len (128) random token ids,
 --out-len (128) output tokens, ignore_eos, prefix caching off; at each batch (1, 4, 16, 64;
 --b256 adds 256): time per output token = (t(out_len tokens) - t(1 token)) / (out_len - 1),
-each t the best of --reps (5) LLM.generate calls. Engine start (LLM(...) constructor), import
+each t the best of --reps (5) LLM.generate calls; then the prefill-heavy workload (--prefill,
+16 requests x 2048 prompt tokens, 16 new tokens each: the whole call, best of 3). Engine start (LLM(...) constructor), import
 time, weight memory ("Model loading took"), KV cache memory and capacity in tokens, graph
 capture time and the GEMM kernel vLLM selected come from vLLM's log. Log-probabilities: every
 engine scores the same token sequence (a 128-token prompt + the BF16 engine's 32 greedy
@@ -282,7 +283,8 @@ def worker(spec_path: str) -> int:
         cc.update(mode="NONE", cudagraph_mode="FULL_DECODE_ONLY")
     kw = dict(model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", seed=0,
               gpu_memory_utilization=spec["gpu_memory_utilization"],
-              max_model_len=spec["max_model_len"], max_num_seqs=max(sizes),
+              max_model_len=spec["max_model_len"],
+              max_num_seqs=max(sizes + ([spec["prefill"][0]] if spec.get("prefill") else [])),
               max_num_batched_tokens=max(8192, max(sizes) * spec["prompt_len"]),
               enable_prefix_caching=False, enforce_eager=False, compilation_config=cc)
     if spec["quantization"]:
@@ -304,10 +306,10 @@ def worker(spec_path: str) -> int:
     save()
     n_out, plen = spec["out_len"], spec["prompt_len"]
 
-    def gen(b, max_tokens, seed):
+    def gen(b, max_tokens, seed, prompt_len=None):
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                             detokenize=False)
-        ps = prompts(b, plen, seed, spec["vocab"])
+        ps = prompts(b, prompt_len or plen, seed, spec["vocab"])
         t = time.perf_counter()
         outs = llm.generate(ps, sp, use_tqdm=False)
         dt = time.perf_counter() - t
@@ -346,6 +348,24 @@ def worker(spec_path: str) -> int:
         res["errors"].append(f"decode: {type(e).__name__}: {e}")
         res["traceback"] = traceback.format_exc()[-4000:]
     save()
+
+    if spec.get("prefill") and time.time() < deadline:
+        # Prefill-heavy: BATCH requests of PROMPT tokens, OUT new tokens each; the time of the
+        # whole generate call (prefill dominates), best of the repetitions.
+        pb, pl, po = spec["prefill"]
+        try:
+            ts = []
+            for rep in range(max(1, min(3, spec["reps"]))):
+                ts.append(gen(pb, po, 77000 + rep, prompt_len=pl))
+                if time.time() > deadline:
+                    break
+            res["prefill"] = {"batch": pb, "prompt_len": pl, "out_len": po, "t_s": ts,
+                              "best_s": min(ts), "prompt_tok_s": pb * pl / min(ts)}
+            print(f"E2E_PREFILL {spec['name']} {pb}x{pl}+{po}: {min(ts) * 1e3:.1f} ms "
+                  f"({pb * pl / min(ts):.0f} prompt tok/s)", flush=True)
+        except Exception as e:  # noqa: BLE001
+            res["errors"].append(f"prefill: {type(e).__name__}: {e}")
+        save()
 
     try:   # log-probabilities (runs even past the soft deadline: two short requests)
         lp_prompt = prompts(1, LP_PROMPT_LEN, 4242, spec["vocab"])[0]["prompt_token_ids"]
@@ -441,6 +461,7 @@ def run_engine(name, args, work, timeout, tf_tokens) -> dict:
     os.makedirs(logs, exist_ok=True)
     spec = {"name": name, "model": os.path.join(work, ckpt), "quantization": quant,
             "batches": args.batch_list, "prompt_len": args.prompt_len, "out_len": args.out_len,
+            "prefill": args.prefill_spec,
             "reps": args.reps, "compile": args.compile, "max_model_len": args.max_model_len,
             "gpu_memory_utilization": args.gpu_memory_utilization,
             "soft_deadline": time.time() + timeout - args.reserve_s,
@@ -547,7 +568,8 @@ def table(doc: dict) -> str:
              f"{h['model']['layers']}-layer Llama-3.1-8B-shaped model (NOT the 32-layer "
              f"model), compile={h['compile']}",
              f"{'config':<21}{'start s':>8}{'wt GiB':>8}{'KV tok':>9} | ms per output token at "
-             f"batch " + "/".join(map(str, batches)) + " | dlogprob vs bf16 (greedy mean/max)"]
+             f"batch " + "/".join(map(str, batches)) + " | prefill ms | dlogprob vs bf16 "
+             f"(greedy mean/max)"]
     lp = doc.get("logprobs", {})
     for name, r in results.items():
         per = {d["batch"]: d.get("per_token_ms") for d in r.get("decode", [])}
@@ -556,9 +578,11 @@ def table(doc: dict) -> str:
         lps = (f"{c['greedy_abs_dlogprob_mean']:.3f}/{c['greedy_abs_dlogprob_max']:.3f}"
                if c.get("greedy_abs_dlogprob_mean") is not None else "-")
         kv = r.get("kv_cache_tokens")
+        pf = r.get("prefill", {}).get("best_s")
+        pfs = f"{pf * 1e3:10.1f}" if pf else f"{'-':>10}"
         lines.append(f"{name:<21}{r.get('start_s', float('nan')):>8.1f}"
                      f"{r.get('weight_gib', float('nan')):>8.2f}"
-                     f"{kv if kv is not None else '-':>9} | {cells} | {lps}")
+                     f"{kv if kv is not None else '-':>9} | {cells} | {pfs} | {lps}")
         if r.get("errors"):
             lines.append(f"{'':<21}errors: {'; '.join(r['errors'])[:300]}")
     for k, v in doc.get("targets", {}).items():
@@ -653,7 +677,8 @@ def engines(args, models_rec) -> int:
             f"model's load and start-up did not fit this session's device time")),
         "models_build": {k: v for k, v in models_rec.items() if k != "model"},
         "batches": args.batch_list, "prompt_len": args.prompt_len, "out_len": args.out_len,
-        "reps": args.reps, "compile": args.compile, "max_model_len": args.max_model_len,
+        "prefill": args.prefill_spec, "reps": args.reps, "compile": args.compile,
+        "max_model_len": args.max_model_len,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "compile_note": (
             "mode NONE + cudagraph_mode FULL_DECODE_ONLY (capture sizes = batch sizes): each "
@@ -763,7 +788,12 @@ def parse_args(argv=None):
     # 5: with 3 the same engine varied by ±0.3 ms per token between runs (H100, 8 layers)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--compile", default="none", choices=("none", "vllm"))
-    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--prefill", default="16:2048:16",
+                   help="prefill-heavy workload BATCH:PROMPT:OUT (issue 6: 16 requests of "
+                        "2048 prompt tokens, 16 new tokens each), timed after the decode "
+                        "batches; 'none' skips it")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="default: enough for the longest workload")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="total time box of this invocation (models + engines)")
@@ -790,8 +820,19 @@ def parse_args(argv=None):
     a.batch_list = [int(b) for b in a.batches.split(",") if b.strip()]
     if a.b256 and 256 not in a.batch_list:
         a.batch_list.append(256)
-    if a.prompt_len + a.out_len > a.max_model_len or LP_PROMPT_LEN + LP_GEN + 1 > a.max_model_len:
-        p.error("--max-model-len too small for prompt + output")
+    a.prefill_spec = None
+    if a.prefill != "none":
+        try:
+            a.prefill_spec = [int(v) for v in a.prefill.split(":")]
+            assert len(a.prefill_spec) == 3 and min(a.prefill_spec) > 0
+        except (ValueError, AssertionError):
+            p.error(f"--prefill {a.prefill!r}: expected BATCH:PROMPT:OUT or none")
+    need = max(a.prompt_len + a.out_len, LP_PROMPT_LEN + LP_GEN + 1,
+               a.prefill_spec[1] + a.prefill_spec[2] if a.prefill_spec else 0)
+    if a.max_model_len is None:
+        a.max_model_len = max(512, need)
+    if need > a.max_model_len:
+        p.error(f"--max-model-len {a.max_model_len} too small for the workloads ({need})")
     return a
 
 
