@@ -124,8 +124,8 @@ def _decode_ctas_per_sm(bt: int, kbs: int) -> int:
     return 1
 
 
-def sm90_fuse_quant(m: int, kbs: int) -> bool:
-    """Quantize bf16/fp16 activations inside the decode kernel (M tokens, kbs K blocks a CTA)?
+def sm90_fuse_quant(m: int, k: int, plan) -> bool:
+    """Quantize bf16/fp16 activations inside the decode kernel of ``plan`` (sm90_plan's)?
 
     Fusing saves the quantization launch, but every CTA re-quantizes its activation slice
     (once per 128 weight rows), one math warp per token, one K block ahead of the tensor
@@ -135,7 +135,10 @@ def sm90_fuse_quant(m: int, kbs: int) -> bool:
     where the separate quant kernel (overlapped with the GEMM's weight stream by PDL) costs
     less; above M=8 (two tokens a warp) the fused kernel was never faster.
     """
-    return m <= SM90_FUSE_QUANT_MAX_M and kbs <= SM90_FUSE_QUANT_MAX_KBS
+    if plan[0] != "decode" or m > SM90_FUSE_QUANT_MAX_M:
+        return False
+    kbs = cdiv(cdiv(k, BLOCK), plan[2])  # K blocks a CTA
+    return kbs <= SM90_FUSE_QUANT_MAX_KBS
 
 
 # The large-M kernel's tile configurations, index = config id; mirrors kConfigs in
@@ -166,20 +169,18 @@ def forced_gemm_config() -> int | None:
     return i
 
 
-def sm90_plan(m: int, n: int, k: int, num_sms: int, fused: bool = False):
-    """-> ("decode", config, splits, ctas_per_sm) or ("gemm", config).
-
-    fused: the activations arrive in bf16/fp16 and the decode kernel quantizes them itself.
-    """
+def sm90_plan(m: int, n: int, k: int, num_sms: int):
+    """-> ("decode", config, splits, ctas_per_sm) or ("gemm", config). fp8_linear asks
+    sm90_fuse_quant whether a decode plan also quantizes the activations itself."""
     forced = forced_gemm_config()
-    if forced is not None and not fused:
+    if forced is not None:
         return ("gemm", forced)
     # (the decode CTA count per SM can be forced too: part of the cache key)
-    return _sm90_plan(m, n, k, num_sms, fused, os.environ.get(_FORCE_DECODE_CTAS))
+    return _sm90_plan(m, n, k, num_sms, os.environ.get(_FORCE_DECODE_CTAS))
 
 
 @functools.lru_cache(maxsize=4096)
-def _sm90_plan(m: int, n: int, k: int, num_sms: int, fused: bool, _forced_ctas=None):
+def _sm90_plan(m: int, n: int, k: int, num_sms: int, _forced_ctas=None):
     # Cached: the same shapes repeat every step.
     num_kb = cdiv(k, BLOCK)
     if m <= SM90_DECODE_MAX_M:
@@ -191,9 +192,8 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, fused: bool, _forced_ctas=N
         # Split K until every SM streams weights; the largest split count that still fits in
         # one wave (tiles * splits <= SMs) avoids a second, mostly idle wave.
         splits = max(1, min(num_kb, num_sms // tiles))
-        # Shared memory holds per-CTA activation state for the whole K range: the quantized
-        # tiles when fused (8 x 128 B per K block, <= 64 KB), else the scales (<= 32 KB).
-        max_kb = 65536 // (bt * 128) if fused else 32768 // (bt * 4)
+        # Shared memory holds the token scales of the CTA's whole K range (<= 32 KB).
+        max_kb = 32768 // (bt * 4)
         splits = min(max(splits, cdiv(num_kb, max_kb)), num_kb)
         return ("decode", config, splits, _decode_ctas_per_sm(bt, cdiv(num_kb, splits)))
     # Large M: 64-row tiles when 128-row ones would leave most SMs idle (twice the CTAs).

@@ -139,14 +139,12 @@ def linear(x, w, w_scale, bias, out):
         return _fallback().linear(x, w, w_scale, bias, out)
     m, k = x.shape
     n = w.shape[0]
-    if m <= heuristics.SM90_FUSE_QUANT_MAX_M and x.dtype != torch.float32:
-        plan = heuristics.sm90_plan(m, n, k, _num_sms(x.device.index), True)
-        if heuristics.sm90_fuse_quant(m, cdiv(cdiv(k, BLOCK), plan[2])):
-            if _LOG_DISPATCH:
-                _log("fp8_linear", x, w, out, f"sm90 fused quant + {plan}")
-            _decode(x, None, w, w_scale, bias, out, *plan[1:])
-            return
     plan = heuristics.sm90_plan(m, n, k, _num_sms(x.device.index))
+    if x.dtype != torch.float32 and heuristics.sm90_fuse_quant(m, k, plan):
+        if _LOG_DISPATCH:
+            _log("fp8_linear", x, w, out, f"sm90 fused quant + {plan}")
+        _decode(x, None, w, w_scale, bias, out, *plan[1:])
+        return
     if _LOG_DISPATCH:
         _log("fp8_linear", x, w, out, f"sm90 quant kernel + {plan}")
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)

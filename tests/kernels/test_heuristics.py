@@ -56,7 +56,9 @@ def test_decode_ctas_forced(monkeypatch):
 @pytest.mark.parametrize("m,kbs,fused", [(1, 8, True), (8, 8, True), (8, 9, False),
                                          (1, 64, False), (9, 1, False)])
 def test_fuse_quant_only_short_k_ranges(m, kbs, fused):
-    assert h.sm90_fuse_quant(m, kbs) is fused
+    # a decode plan of 2 splits over 2 * kbs K blocks: kbs K blocks a CTA
+    assert h.sm90_fuse_quant(m, 2 * kbs * 128, ("decode", 0, 2, 1)) is fused
+    assert h.sm90_fuse_quant(m, 2 * kbs * 128, ("gemm", 0)) is False
 
 
 @pytest.mark.parametrize("m,n,k,split", [
