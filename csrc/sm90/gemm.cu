@@ -107,19 +107,23 @@ std::string dispatch_types(const GemmArgs& g, cudaStream_t stream) {
                            : launch<c.bm, c.bn, c.stages, c.cluster, false, __half>(g, stream);
 }
 
+// config index -> its instantiation, for every row of kConfigs (the table is the only list)
+template <int I = 0>
+std::string dispatch_config(const GemmArgs& g, cudaStream_t stream) {
+  if constexpr (I < int(sizeof(kConfigs) / sizeof(kConfigs[0]))) {
+    return g.config == I ? dispatch_types<I>(g, stream) : dispatch_config<I + 1>(g, stream);
+  } else {
+    return "unknown gemm config " + std::to_string(g.config);
+  }
+}
+
 }  // namespace
 
 std::string launch_gemm(const GemmArgs& g, cudaStream_t stream) {
   if (g.M <= 0 || g.N <= 0 || g.K <= 0) return "empty problem";
   if (g.K % 16 != 0 || g.N % 8 != 0) return "K must be a multiple of 16 and N of 8";
   if (g.a_scale_ld % 4 != 0 || g.a_scale_ld < g.M) return "a_scale_ld must be >= M and % 4";
-  switch (g.config) {
-    case 0: return dispatch_types<0>(g, stream);
-    case 1: return dispatch_types<1>(g, stream);
-    case 2: return dispatch_types<2>(g, stream);
-    case 3: return dispatch_types<3>(g, stream);
-    default: return "unknown gemm config " + std::to_string(g.config);
-  }
+  return dispatch_config(g, stream);
 }
 
 }  // namespace fp8l
