@@ -37,6 +37,7 @@ import pytest
 import torch
 
 import fp8linear
+from fp8linear.kernels import heuristics
 from fp8linear.quant import BLOCK
 
 N_CASES = int(os.environ.get("FP8LINEAR_GPU_CASES", "208"))
@@ -165,7 +166,6 @@ def _select(backend: str, monkeypatch):
 
 
 def _backend_used(m, n, k) -> str:
-    from fp8linear.kernels import heuristics
     mod = heuristics.backend_for(torch.device(DEVICE), m, n, k)
     return getattr(mod, "name", mod.__name__)
 
@@ -336,17 +336,24 @@ def test_random_shapes(backend, case, monkeypatch):
     _select(backend, monkeypatch)
     m, n, k = case["m"], case["n"], case["k"]
     assert _backend_used(m, n, k) == backend
+    _check_case(case, f"{backend} {_case_id(case)}")
+
+
+def _check_case(case: dict, what: str, linear: bool = True) -> None:
+    """block_fp8_gemm into a NaN-poisoned output, then (linear) fp8_linear from the 16/32-bit
+    activations, both against the fp64 reference of the case's data."""
+    m, n = case["m"], case["n"]
     x, a, a_s, wq, ws, bias = make_data(case)
     ref, mag = reference(a, a_s, wq, ws, bias)
     dt = DTYPES[case["out"]]
-    what = f"{backend} {_case_id(case)}"
 
     out = _poisoned(m, n, dt)
     res = fp8linear.block_fp8_gemm(a, a_s, wq, ws, out_dtype=dt, out=out, bias=bias)
     assert res is out
     torch.cuda.synchronize()
     assert_close(out, ref, mag, what + " block_fp8_gemm", bias=bias)
-
+    if not linear:
+        return
     _poison_pool(m, n, dt)
     y = fp8linear.fp8_linear(x, wq, ws, bias)
     torch.cuda.synchronize()
@@ -355,33 +362,29 @@ def test_random_shapes(backend, case, monkeypatch):
     assert_close(y, ref, mag, what + " fp8_linear", bias=bias, elementwise=False)
 
 
+def _sm90_only(cases: list[dict]) -> list[dict]:
+    """The cases with 16-bit outputs (fp32 ones would go to the Triton path)."""
+    return [dict(c, out=c["out"] if c["out"] != "fp32" else "bf16") for c in cases]
+
+
 def _config_cases(config: int, count: int = 24) -> list[dict]:
-    """Cases for one forced large-M configuration: 16-bit outputs (fp32 goes to Triton), M
-    from 1 (a cluster's second CTA then lies wholly past M) to 8192, tails in N and K."""
-    cases = [dict(c, out=c["out"] if c["out"] != "fp32" else "bf16")
-             for c in gen_cases("sm90", count=count + len(FIXED), seed=100 + config)]
+    """Cases for one forced large-M configuration: M from 1 (a cluster's second CTA then lies
+    wholly past M) to 8192, tails in N and K."""
+    cases = _sm90_only(gen_cases("sm90", count=count + len(FIXED), seed=100 + config))
     return cases[len(FIXED) - 6:len(FIXED) - 6 + count]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", range(len(__import__(
-    "fp8linear.kernels.heuristics", fromlist=["x"]).SM90_GEMM_CONFIGS)))
+@pytest.mark.parametrize("config", range(len(heuristics.SM90_GEMM_CONFIGS)))
 def test_sm90_every_gemm_config(config, monkeypatch):
     """Every tile configuration of the large-M kernel (the heuristic picks only some per
     shape), forced through FP8LINEAR_SM90_GEMM_CONFIG, on random shapes and edge cases."""
     _select("sm90", monkeypatch)
     monkeypatch.setenv("FP8LINEAR_SM90_GEMM_CONFIG", str(config))
-    from fp8linear.kernels import heuristics
     for case in _config_cases(config):
         m, n, k = case["m"], case["n"], case["k"]
         assert heuristics.sm90_plan(m, n, k, 132) == ("gemm", config)
-        x, a, a_s, wq, ws, bias = make_data(case)
-        ref, mag = reference(a, a_s, wq, ws, bias)
-        dt = DTYPES[case["out"]]
-        out = _poisoned(m, n, dt)
-        fp8linear.block_fp8_gemm(a, a_s, wq, ws, out_dtype=dt, out=out, bias=bias)
-        torch.cuda.synchronize()
-        assert_close(out, ref, mag, f"sm90 config {config} {_case_id(case)}", bias=bias)
+        _check_case(case, f"sm90 config {config} {_case_id(case)}", linear=False)
 
 
 @pytest.mark.gpu
@@ -391,27 +394,14 @@ def test_sm90_decode_ctas_per_sm(ctas, monkeypatch):
     half the shared memory each), forced through FP8LINEAR_SM90_DECODE_CTAS, M 1..32."""
     _select("sm90", monkeypatch)
     monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CTAS", str(ctas))
-    from fp8linear.kernels import heuristics
     # (K <= 8192: longer K ranges per CTA keep one CTA an SM, see _decode_ctas_per_sm)
-    cases = [c for c in gen_cases("sm90", count=400, seed=200)
+    cases = [c for c in _sm90_only(gen_cases("sm90", count=400, seed=200))
              if c["m"] <= 32 and c["k"] <= 8192][:30]
     for case in cases:
         m, n, k = case["m"], case["n"], case["k"]
         plan = heuristics.sm90_plan(m, n, k, 132)
         assert plan[0] == "decode" and plan[3] == ctas, plan
-        x, a, a_s, wq, ws, bias = make_data(case)
-        ref, mag = reference(a, a_s, wq, ws, bias)
-        dt = DTYPES[case["out"]] if case["out"] != "fp32" else torch.bfloat16
-        out = _poisoned(m, n, dt)
-        fp8linear.block_fp8_gemm(a, a_s, wq, ws, out_dtype=dt, out=out, bias=bias)
-        torch.cuda.synchronize()
-        assert_close(out, ref, mag, f"sm90 decode ctas={ctas} {_case_id(case)}", bias=bias)
-        if x.dtype != torch.float32:
-            _poison_pool(m, n, x.dtype)
-            y = fp8linear.fp8_linear(x, wq, ws, bias)
-            torch.cuda.synchronize()
-            assert_close(y, ref, mag, f"sm90 decode ctas={ctas} fp8_linear {_case_id(case)}",
-                         bias=bias, elementwise=False)
+        _check_case(case, f"sm90 decode ctas={ctas} {_case_id(case)}")
 
 
 @pytest.mark.gpu
@@ -478,9 +468,6 @@ def test_determinism(backend, m, nk, per_row, monkeypatch):
 def test_determinism_covers_split_k(monkeypatch):
     """The determinism shapes are meant to exercise sm90's split-K reduction."""
     _select("sm90", monkeypatch)
-    from fp8linear.kernels import heuristics
-    if not hasattr(heuristics, "sm90_plan"):
-        pytest.skip("heuristics has no sm90_plan")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     plans = {(m, n, k): heuristics.sm90_plan(m, n, k, sms)
              for m in (1, 8, 64) for n, k in DET_SHAPES}
