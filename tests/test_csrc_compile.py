@@ -1,5 +1,6 @@
 """CI kernel guard under pytest: every csrc/**/*.cu compiles for sm_90a without local-memory
-spills (scripts/check_kernels.py), and only csrc/bindings.cpp includes torch headers.
+spills or wgmma serialisation (scripts/check_kernels.py), and only csrc/bindings.cpp includes
+torch headers.
 
 Needs nvcc, not a GPU. Skips only when nvcc is absent or csrc/ has no .cu yet.
 """
@@ -114,3 +115,19 @@ def test_nvcc_command_matches_the_jit_build():
     for flag in ck.build.NVCC_FLAGS + ck.build.torch_nvcc_flags():
         assert flag in cmd  # what torch's JIT build passes, or CI checks another program
     assert cmd[-4:] == ["-c", str(CSRC / "sm90" / "x.cu"), "-o", "/dev/null"]
+
+
+def test_guard_fails_on_wgmma_serialisation(tmp_path):
+    # ptxas's note when it serialises wgmmas (e.g. an accumulator touched before wgmma.wait)
+    out = _PTXAS_CLEAN + (
+        "ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are "
+        "serialized due to non wgmma instructions reading accumulator registers of  a wgmma "
+        "between start and end of the pipeline stage in the function '_Z5cleanPf'\n")
+    (tmp_path / "k.cu").write_text(_CLEAN)
+    res = ck.Result(tmp_path / "k.cu", 0, 0.1, out, ck.parse_ptxas(out))
+    fails = ck.report([res], tmp_path)
+    assert [f for f in fails if "wgmma" in f] == [
+        f"k.cu: {ck.short(ck.demangle(['_Z5cleanPf'])['_Z5cleanPf'], 200)}: wgmma serialised "
+        f"by ptxas (C7514)"]
+    clean = ck.Result(tmp_path / "k.cu", 0, 0.1, _PTXAS_CLEAN, ck.parse_ptxas(_PTXAS_CLEAN))
+    assert not any("wgmma" in f for f in ck.report([clean], tmp_path))
