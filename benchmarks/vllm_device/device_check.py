@@ -48,7 +48,11 @@ def env(**extra) -> dict:
               "PYTHONUNBUFFERED": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0",
               # vLLM's own fp8 and its MoE would JIT-compile DeepGEMM for minutes;
               # CUTLASS / Triton are precompiled
-              "VLLM_USE_DEEP_GEMM": "0"})
+              "VLLM_USE_DEEP_GEMM": "0",
+              # the multi-GPU hosts are shared: NVLink multicast can take their GPUs out of
+              # service (device KINDS.md), so it stays off in every process we start
+              "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+              "NVSHMEM_DISABLE_NVLS": "1", "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"})
     e.update({k: str(v) for k, v in extra.items()})
     return e
 
@@ -284,7 +288,9 @@ def step_tp2(work: Path, out: Path) -> int:
     for tag, model in (("misaligned", m["fp8"]), ("aligned", aligned_fp8)):
         for tp in (1, 2):
             runs.append(dict(base, name=f"{tag}_tp{tp}", model=str(model),
-                             llm_kwargs={"tensor_parallel_size": tp}))
+                             llm_kwargs={"tensor_parallel_size": tp,
+                                         # NCCL all-reduce: no IPC/symmetric-memory paths
+                                         "disable_custom_all_reduce": True}))
     # TP=2 runs its workers in processes; apply_model ships the inspection function there
     res, _ = run_engines(runs, out, "tp2", extra_env={
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
