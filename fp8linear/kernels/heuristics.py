@@ -232,14 +232,24 @@ class TritonDevice(NamedTuple):
 def triton_config(m: int, n: int, k: int, a_bytes: int, weight_only: bool,
                   dev: TritonDevice) -> TritonConfig:
     """Triton tile rules: a handful of fixed configurations; no run-time autotuning."""
+    kb = cdiv(k, BLOCK)
     if m <= 16:
         # Decode: reading the weight is the whole cost. Narrow tiles make many programs
         # (N/64) each streaming a 64x128 weight tile per step with deep pipelining.
         cfg = TritonConfig(16, 64, 4, 6)
+        if kb <= 12 and cdiv(n, 256) * 10 >= dev.sms * 7 and (m <= 8 or kb <= 4):
+            # ... except very wide N with few K steps (24576x1536, 32768x512): a program is
+            # then mostly prologue and epilogue, and 4x fewer 256-column programs (still
+            # >= 0.7 of a wave) amortise them (H100: 0.94 -> 1.03-1.05x of vLLM's tuned
+            # Triton at M=1). At 16 tokens only for the shortest K (24576x1536 x 16 ran
+            # 0.93x with 256 columns, 0.97x with 64; 32768x512 x 16 1.04x).
+            cfg = TritonConfig(16, 256, 8, 3)
     elif m <= 32:
         cfg = TritonConfig(32, 64, 4, 6)
     elif m <= 64:
-        cfg = TritonConfig(64, 64, 4, 5)
+        # 128-column tiles for short K, for the same reason (32768x512 x 64: 0.92x of vLLM
+        # with 64 columns)
+        cfg = TritonConfig(64, 128, 4, 3) if kb <= 4 else TritonConfig(64, 64, 4, 5)
     elif m <= 128:
         # Still mostly weight-bound: 64x128 with one warpgroup keeps the fp32 total plus
         # the per-block product at 128 registers a thread.
@@ -289,7 +299,6 @@ def triton_config(m: int, n: int, k: int, a_bytes: int, weight_only: bool,
     # >= 4 K-blocks per split (enough for the pipeline to reach steady state) and the fp32
     # workspace traffic (2 x split x M x N x 4 bytes) under a quarter of the weight bytes.
     tiles = cdiv(m, cfg.bm) * cdiv(n, cfg.bn)
-    kb = cdiv(k, BLOCK)
     split = 1
     # Between half and all the SMs, only for long K and few tokens: at 112 tiles on 132 SMs,
     # 7168x2048 x 16 (16 K blocks) ran 8.6 us unsplit vs 10.5 split, 7168x16384 x 64 51.7

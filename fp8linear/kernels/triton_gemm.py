@@ -97,8 +97,13 @@ def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, c_ptr, part_ptr,
     a_rows = a_ptr + am[:, None] * K            # [BM, 1]
     w_cols = w_ptr + wn[None, :] * K            # [1, BN]; tile is [BK, BN], K contiguous
     as_rows = as_ptr + am * KB
+    # a weight scale per output column: per-row scales, or 128x128 blocks under a tile wider
+    # than a block (each column gathers its block's scale)
+    COL_SCALES: tl.constexpr = SCALE_ROWS == 1 or BN > 128
     if SCALE_ROWS == 1:
         ws_ptrs = ws_ptr + wn * KB              # per-row weight scales: one per output row
+    elif BN > 128:
+        ws_ptrs = ws_ptr + (wn // 128) * KB
     else:
         # 128x128 blocks, BN divides 128: the whole tile shares one scale row
         ws_ptrs = ws_ptr + ((pid_n * BN) // 128) * KB
@@ -141,12 +146,12 @@ def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, c_ptr, part_ptr,
 
         d = tl.dot(a, w, input_precision=DOT_PREC)
         if A_KIND == 2:
-            if SCALE_ROWS == 1:
+            if COL_SCALES:
                 acc += d * sw[None, :]
             else:
                 acc += d * sw
         else:
-            if SCALE_ROWS == 1:
+            if COL_SCALES:
                 acc += (d * sa[:, None]) * sw[None, :]
             else:
                 acc += d * (sa * sw)[:, None]

@@ -82,6 +82,21 @@ def test_triton_large_m_tiles(m, n, k, bm, bn):
     assert (cfg.bm, cfg.bn) == (bm, bn)
 
 
+@pytest.mark.parametrize("m,n,k,bn", [
+    (1, 32768, 512, 256),     # very wide N, few K blocks: 256-column programs
+    (1, 24576, 1536, 256),
+    (16, 24576, 1536, 64),    # 16 tokens x 12 K blocks: narrow again (measured)
+    (16, 32768, 512, 256),
+    (1, 7168, 2048, 64),      # 28 programs of 256 would be a fifth of a wave
+    (1, 24576, 7168, 64),     # 56 K blocks: enough steps to amortise a narrow program
+    (64, 32768, 512, 128),    # 64 tokens, 4 K blocks: 128 columns
+    (64, 32768, 1024, 64),
+])
+def test_triton_decode_tile_width(m, n, k, bn):
+    cfg = h.triton_config(m, n, k, 1, False, H100)
+    assert cfg.bn == bn and cfg.split == 1
+
+
 def test_forced_sm90_on_another_gpu_fails_before_launch(monkeypatch):
     import torch
 

@@ -410,6 +410,7 @@ _TARGETS = [
     ("cuda", 89, tg.A_QUANT, False, "*bf16", "*bf16", 16, 64, 4, 4),
     ("cuda", 90, tg.A_FP8, False, "*fp8e4nv", "*bf16", 128, 128, 8, 4),   # Hopper
     ("cuda", 90, tg.A_QUANT, False, "*fp16", "*fp16", 32, 64, 4, 6),
+    ("cuda", 90, tg.A_FP8, False, "*fp8e4nv", "*bf16", 16, 256, 8, 3),    # wide decode tile
     ("cuda", 100, tg.A_FP8, False, "*fp8e4nv", "*bf16", 128, 128, 8, 4),  # Blackwell
     ("hip", "gfx942", tg.A_FLOAT, True, "*bf16", "*bf16", 64, 64, 4, 2),   # MI300
     ("hip", "gfx950", tg.A_FP8, False, "*fp8e4nv", "*bf16", 128, 128, 8, 2),
@@ -529,6 +530,9 @@ def _interpreter_main():
         (2, 256, 1100, False, "fp32", "fp32", tg.Config(16, 64, 4, 2, 3)),
         (17, 100, 129, True, "bf16", "fp32", tg.Config(32, 64, 4, 2, 2)),
         (130, 64, 200, False, None, "bf16", tg.Config(128, 64, 8, 2, 1)),
+        # 256-column tiles over 128x128 scale blocks: each column gathers its block's scale
+        (1, 300, 520, False, "bf16", "bf16", tg.Config(16, 256, 8, 3, 1)),
+        (5, 520, 300, True, None, "fp32", tg.Config(16, 256, 8, 2, 2)),
     ]
     for i, (m, n, k, per_row, bias_dt, out_dt, cfg) in enumerate(cases):
         x, w, w_s, bias = make_case(m, n, k, seed=i, device=cpu, per_row=per_row,
