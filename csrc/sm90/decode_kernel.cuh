@@ -80,8 +80,9 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
                       const __grid_constant__ CUtensorMap tmap_x,  // fp8 activations (kInFP8)
                       const DecodeParams p) {
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                             ~uintptr_t(1023));
+  // aligned as an offset into smem_raw, so that the pointers stay shared ones (LDS; see
+  // gemm_kernel.cuh)
+  uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   // this CTA's K range: splits as even as possible, the first `rem` one block longer
   const int base = p.num_kb / p.splits, rem = p.num_kb % p.splits;
   const int split = blockIdx.z;

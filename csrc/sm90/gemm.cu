@@ -10,10 +10,14 @@ namespace {
 // The tile configurations (index = GemmArgs::config); fp8linear/kernels/heuristics.py says
 // when each is used (SM90_GEMM_CONFIGS there mirrors this table). Stages: as many as fit in
 // 227 KB of shared memory next to the epilogue.
+// share_a: a cluster pair shares (multicasts) the activation tile, else the weight tile.
 struct Config {
   int bm, bn, stages, cluster;
+  bool share_a;
 };
-constexpr Config kConfigs[] = {{128, 128, 5, 1}, {64, 128, 8, 1}, {128, 128, 5, 2}, {128, 192, 4, 1}};
+constexpr Config kConfigs[] = {{128, 128, 5, 1, false}, {64, 128, 8, 1, false},
+                               {128, 128, 5, 2, false}, {128, 192, 4, 1, false},
+                               {256, 128, 3, 1, false}, {256, 128, 3, 2, true}};
 
 // A launch of `grid` CTAs in clusters of `cluster` along x; `attr` must outlive the config.
 cudaLaunchConfig_t cluster_launch(int grid, int threads, int smem, cudaStream_t stream,
@@ -50,7 +54,7 @@ int max_cluster_ctas(int cluster, int smem, int threads, int num_sms) {
   return cached[dev];
 }
 
-template <int BM, int BN, int STAGES, int CLUSTER, bool kPerRow, typename OutT>
+template <int BM, int BN, int STAGES, int CLUSTER, bool kShareA, bool kPerRow, typename OutT>
 std::string launch(const GemmArgs& g, cudaStream_t stream) {
   using L = GemmSmem<BM, BN, STAGES>;
   static_assert(L::kAlloc <= 232448, "shared memory over the sm_90 limit");
@@ -58,12 +62,12 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   CUtensorMap ta, tb, tsa, tc;
   std::string e;
   const auto sw128 = CU_TENSOR_MAP_SWIZZLE_128B;
-  if (!(e = make_tensor_map_2d(&ta, g.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, g.M, g.K, g.K, BM,
-                               kBlockK, sw128)).empty())
+  // with a cluster each CTA loads (and multicasts) its 1/CLUSTER share of the shared tile's rows
+  if (!(e = make_tensor_map_2d(&ta, g.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, g.M, g.K, g.K,
+                               kShareA ? BM / CLUSTER : BM, kBlockK, sw128)).empty())
     return e;
-  // with a cluster each CTA loads (and multicasts) its 1/CLUSTER share of the B tile's rows
   if (!(e = make_tensor_map_2d(&tb, g.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, g.N, g.K, g.K,
-                               BN / CLUSTER, kBlockK, sw128)).empty())
+                               kShareA ? BN : BN / CLUSTER, kBlockK, sw128)).empty())
     return e;
   if (!(e = make_tensor_map_2d(&tsa, g.a_scale_t, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, num_kb,
                                g.a_scale_ld, g.a_scale_ld, 1, BM,
@@ -74,12 +78,14 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   if (!(e = make_tensor_map_2d(&tc, g.out, out_type, 2, g.M, g.N, g.N, 64, 64, sw128)).empty())
     return e;
 
-  constexpr auto kernel = fp8_gemm_kernel<BM, BN, STAGES, CLUSTER, kPerRow, OutT>;
-  constexpr int kThreads = (BM / 64 + 1) * 128;
+  constexpr auto kernel = fp8_gemm_kernel<BM, BN, STAGES, CLUSTER, kShareA, kPerRow, OutT>;
+  constexpr int kThreads = L::kThreads;
   cudaError_t err = ensure_smem_limit<kernel>(L::kAlloc);
   if (err != cudaSuccess) return cudaGetErrorString(err);
   // persistent: one CTA per SM (per cluster slot), never more CTAs than work units need
-  const int units = ((g.M + BM * CLUSTER - 1) / (BM * CLUSTER)) * ((g.N + BN - 1) / BN);
+  const int tiles_m = (g.M + BM - 1) / BM, tiles_n = (g.N + BN - 1) / BN;
+  const int units = kShareA ? tiles_m * ((tiles_n + CLUSTER - 1) / CLUSTER)
+                            : ((tiles_m + CLUSTER - 1) / CLUSTER) * tiles_n;
   int slots = g.num_sms / CLUSTER * CLUSTER;
   if (CLUSTER > 1) slots = max_cluster_ctas<kernel>(CLUSTER, L::kAlloc, kThreads, g.num_sms);
   const int grid = units * CLUSTER < slots ? units * CLUSTER : slots;
@@ -99,12 +105,13 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
 template <int I>
 std::string dispatch_types(const GemmArgs& g, cudaStream_t stream) {
   constexpr Config c = kConfigs[I];
+  constexpr int bm = c.bm, bn = c.bn, st = c.stages, cl = c.cluster;
+  constexpr bool sa = c.share_a;
   if (g.out_dtype == kOutBF16)
-    return g.w_scale_per_row
-               ? launch<c.bm, c.bn, c.stages, c.cluster, true, __nv_bfloat16>(g, stream)
-               : launch<c.bm, c.bn, c.stages, c.cluster, false, __nv_bfloat16>(g, stream);
-  return g.w_scale_per_row ? launch<c.bm, c.bn, c.stages, c.cluster, true, __half>(g, stream)
-                           : launch<c.bm, c.bn, c.stages, c.cluster, false, __half>(g, stream);
+    return g.w_scale_per_row ? launch<bm, bn, st, cl, sa, true, __nv_bfloat16>(g, stream)
+                             : launch<bm, bn, st, cl, sa, false, __nv_bfloat16>(g, stream);
+  return g.w_scale_per_row ? launch<bm, bn, st, cl, sa, true, __half>(g, stream)
+                           : launch<bm, bn, st, cl, sa, false, __half>(g, stream);
 }
 
 // config index -> its instantiation, for every row of kConfigs (the table is the only list)

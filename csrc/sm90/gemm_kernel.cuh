@@ -1,17 +1,17 @@
 // Large-M block-scaled FP8 GEMM for sm_90a: C[M,N] = sum_kb (A_kb . B_kb^T) * sa[m,kb] * sb[n,kb].
 //
 // One persistent CTA per SM walks output tiles of BM x BN. Warp specialization:
-//   math warpgroups 0..BM/64-1: each owns 64 rows of the tile; per 128-wide K block it issues
-//     four m64nBNk32 fp8 wgmmas into a fresh fp32 partial, waits, and promotes the partial into
-//     the fp32 total with the two scales (DeepSeek-V3 numerics: scales per K block);
+//   math warpgroups (one for BM = 64, else two): each owns 64 rows of every 128-row wave of
+//     the tile (BM = 256: two waves, so two 64-row totals a thread); per 128-wide K block and
+//     wave it issues four m64nBNk32 fp8 wgmmas into a fresh fp32 partial, waits, and promotes
+//     the partial into the fp32 total with the two scales (DeepSeek-V3 numerics);
 //   the producer warpgroup (last, registers given back via setmaxnreg): warp 0 issues TMA
 //     loads of A, B and the A scales into a STAGES-deep ring, warp 1 copies the B scales of
 //     each stage into shared memory (128x128-block or per-row granularity).
-// CLUSTER = 2: two CTAs on neighbouring SMs take vertically adjacent tiles (same weight
-// columns) in lockstep; each loads half of the shared B tile and multicasts it to both, so
-// the L2 -> SM traffic per tile drops from (BM + BN) to (BM + BN/2) rows. With 128x128 tiles
-// that traffic, not the tensor cores, is what bounds a single CTA (~7 TB/s of L2 reads at
-// ~930 TFLOPS, v1 in benchmarks/NOTES.md).
+// CLUSTER = 2: two CTAs on neighbouring SMs take adjacent tiles in lockstep and share one
+// operand tile: vertically adjacent tiles share the weight (B) tile, or with kShareA
+// horizontally adjacent ones share the activation (A) tile. Each CTA loads half of the shared
+// tile and multicasts it to both, so the L2 -> SM traffic per tile drops by half that tile.
 // Epilogue: registers -> 128B-swizzled shared memory -> TMA store (clipped at M/N edges), while
 // the producer already streams the next tile.
 #pragma once
@@ -60,7 +60,9 @@ struct GemmParams {
 
 template <int BM, int BN, int STAGES>
 struct GemmSmem {
-  static constexpr int kMathWG = BM / 64;
+  static constexpr int kMathWG = BM == 64 ? 1 : 2;
+  static constexpr int kWaves = BM / (64 * kMathWG);  // 64-row waves per math warpgroup
+  static constexpr int kThreads = (kMathWG + 1) * 128;
   static constexpr int kABytes = BM * kBlockK;
   static constexpr int kBBytes = BN * kBlockK;
   static constexpr int kOutBytes = BM * BN * 2;  // 16-bit outputs
@@ -87,8 +89,8 @@ __device__ __forceinline__ void tile_coords(int t, int num_m, int num_n, int& mb
   nb = r / gm;
 }
 
-template <int BM, int BN, int STAGES, int CLUSTER, bool kPerRowB, typename OutT>
-__global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
+template <int BM, int BN, int STAGES, int CLUSTER, bool kShareA, bool kPerRowB, typename OutT>
+__global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
     fp8_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,   // [M, K] fp8
                     const __grid_constant__ CUtensorMap tmap_b,   // [N, K] fp8
                     const __grid_constant__ CUtensorMap tmap_sa,  // [num_kb, Mpad] fp32
@@ -96,15 +98,20 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
                     const GemmParams p) {
   using L = GemmSmem<BM, BN, STAGES>;
   constexpr int kMathWG = L::kMathWG;
+  constexpr int kWaves = L::kWaves;
   static_assert(BN % 64 == 0 && BN <= 192, "BN: whole 64-column store boxes, <= 96 regs");
-  static_assert(BM == 64 || BM == 128, "one or two math warpgroups");
+  static_assert(BM == 64 || BM == 128 || (BM == 256 && BN == 128),
+                "one or two math warpgroups; two waves only with 64 registers a partial");
   static_assert(CLUSTER == 1 || CLUSTER == 2, "pairs of CTAs at most");
+  static_assert(CLUSTER == 2 || !kShareA, "sharing A needs a pair");
   // 128x128 weight-scale blocks: a BN-column tile lies in one block when BN divides 128,
   // else (BN = 192) it can straddle two; the boundary falls on a 64-column multiple.
   constexpr bool kTwoBlocks = !kPerRowB && (128 % BN != 0);
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                             ~uintptr_t(1023));
+  // 1024-byte alignment (128B swizzle atoms) as an offset into smem_raw: the compiler keeps
+  // knowing the pointers are shared (32-bit addresses, LDS), which it does not through a
+  // rounded integer
+  uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   uint8_t* sA = smem + L::kA;
   uint8_t* sB = smem + L::kB;
   uint8_t* sOut = smem + L::kOut;
@@ -116,13 +123,17 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   const int wg = threadIdx.x / 128;
   const int warp_in_wg = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
-  const int num_m = (p.M + BM - 1) / BM;
-  const int num_n = (p.N + BN - 1) / BN;
-  // Work units: CLUSTER vertically adjacent tiles, one per CTA of the cluster.
-  const int num_um = (num_m + CLUSTER - 1) / CLUSTER;
-  const int num_units = num_um * num_n;
-  const int rank = CLUSTER > 1 ? int(cluster_ctarank()) : 0;
-  const int first_unit = blockIdx.x / CLUSTER;
+  // Work units: CLUSTER adjacent tiles (along N when they share A, else along M), one per CTA
+  // of the cluster. Computed in each role after its register reallocation: values live
+  // across setmaxnreg are spilled (the kernel starts at 168 registers a thread).
+#define FP8L_TILE_WALK                                                            \
+  const int num_m = (p.M + BM - 1) / BM;                                          \
+  const int num_n = (p.N + BN - 1) / BN;                                          \
+  const int num_um = kShareA ? num_m : (num_m + CLUSTER - 1) / CLUSTER;           \
+  const int num_un = kShareA ? (num_n + CLUSTER - 1) / CLUSTER : num_n;           \
+  const int num_units = num_um * num_un;                                          \
+  const int rank = CLUSTER > 1 ? int(cluster_ctarank()) : 0;                      \
+  const int first_unit = blockIdx.x / CLUSTER;                                    \
   const int unit_stride = gridDim.x / CLUSTER;
 
   if (threadIdx.x == 0) {
@@ -148,28 +159,36 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   if (wg == kMathWG) {
     // ------------------------------------------------------------------ producer warpgroup
     reg_dealloc<40>();
+    FP8L_TILE_WALK
     if (warp_in_wg == 0) {
       if (lane == 0) {
         const uint64_t keep = l2_policy_evict_last();  // tiles are re-read by other CTAs
         int s = 0;
         uint32_t phase = 0;
         for (int u = first_unit; u < num_units; u += unit_stride) {
-          int um, nb;
-          tile_coords(u, num_um, num_n, um, nb);
-          // A CTA whose tile lies past M (odd tile count) still carries its half of B for
-          // the peer; it reads a valid A block and stores nothing.
-          const int mb = min(um * CLUSTER + rank, num_m - 1);
+          int um, un;
+          tile_coords(u, num_um, num_un, um, un);
+          // A CTA whose tile lies past M or N (odd tile count) still carries its half of the
+          // shared tile for the peer; it reads a valid tile of its own and stores nothing.
+          const int mb = kShareA ? um : min(um * CLUSTER + rank, num_m - 1);
+          const int nb = kShareA ? min(un * CLUSTER + rank, num_n - 1) : un;
+          constexpr uint16_t kBoth = uint16_t((1 << CLUSTER) - 1);
           for (int kb = 0; kb < p.num_kb; ++kb) {
             mbar_wait(&empty[s], phase ^ 1);
             mbar_arrive_expect_tx(&full[s], L::kABytes + L::kBBytes + BM * 4);
-            tma_load_2d(sA + s * L::kABytes, &tmap_a, &full[s], kb * kBlockK, mb * BM, keep);
-            if constexpr (CLUSTER == 1) {
+            if constexpr (CLUSTER == 1 || !kShareA) {
+              tma_load_2d(sA + s * L::kABytes, &tmap_a, &full[s], kb * kBlockK, mb * BM, keep);
+            } else {
+              constexpr int kHalf = BM / CLUSTER;
+              tma_load_2d_multicast(sA + s * L::kABytes + rank * kHalf * kBlockK, &tmap_a,
+                                    &full[s], kb * kBlockK, mb * BM + rank * kHalf, kBoth, keep);
+            }
+            if constexpr (CLUSTER == 1 || kShareA) {
               tma_load_2d(sB + s * L::kBBytes, &tmap_b, &full[s], kb * kBlockK, nb * BN, keep);
             } else {
               constexpr int kHalf = BN / CLUSTER;
               tma_load_2d_multicast(sB + s * L::kBBytes + rank * kHalf * kBlockK, &tmap_b,
-                                    &full[s], kb * kBlockK, nb * BN + rank * kHalf,
-                                    uint16_t((1 << CLUSTER) - 1), keep);
+                                    &full[s], kb * kBlockK, nb * BN + rank * kHalf, kBoth, keep);
             }
             tma_load_2d(sSA + s * BM, &tmap_sa, &full[s], mb * BM, kb, keep);
             if (++s == STAGES) { s = 0; phase ^= 1; }
@@ -185,8 +204,9 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       uint32_t phase = 0;
       const int num_nblk = (p.N + 127) / 128;
       for (int u = first_unit; u < num_units; u += unit_stride) {
-        int um, nb;
-        tile_coords(u, num_um, num_n, um, nb);
+        int um, un;
+        tile_coords(u, num_um, num_un, um, un);
+        const int nb = kShareA ? un * CLUSTER + rank : un;  // (past N: scales unused)
         const int blk = nb * BN / 128;  // the tile's first 128-row block (and blk + 1)
         for (int kb0 = 0; kb0 < p.num_kb; kb0 += 32) {
           float lo = 0.f, hi = 0.f;
@@ -226,26 +246,29 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   } else {
     // ---------------------------------------------------------------------- math warpgroups
     reg_alloc<232>();
+    FP8L_TILE_WALK
     using Mma = WgmmaFp8<BN>;
     constexpr int kRegs = Mma::kRegs;
     // Two partials when registers allow (BN = 128: 3 x 64 fp32 a thread): K block kb+1's
     // wgmmas are issued before kb's partial is promoted, so the tensor cores never wait for
     // a promotion. BN = 192 keeps one partial (3 x 96 would not fit in 232 registers), and so
     // do per-row B scales (their promotion needs the registers: ptxas spills otherwise).
-    constexpr bool kTwoPartials = 3 * kRegs <= 192 && !kPerRowB;
-    float acc[kRegs];
+    // Two waves (BM = 256) hold two totals (2 x 64) and one partial: 192 registers.
+    constexpr bool kTwoPartials = kWaves == 1 && 3 * kRegs <= 192 && !kPerRowB;
+    float acc[kWaves][kRegs];
     float part0[kRegs];
     float part1[kRegs];  // unused (and compiled away) with one partial
     const int row_in_wg = warp_in_wg * 16 + lane / 4;  // and +8
     const int col_q = 2 * (lane % 4);                  // + 8*j, and +1
-    uint8_t* my_out = sOut + wg * 64 * BN * 2;
+    // first tile row of this warpgroup's 64 rows in wave w
+    auto wave_row = [&](int w) { return (w * kMathWG + wg) * 64; };
     int s = 0;
     uint32_t phase = 0;
 
-    // Four m64nBNk32 wgmmas over stage st's 128-wide K block into P (overwritten), committed
-    // as one group.
-    auto issue = [&](float(&P)[kRegs], int st) {
-      const uint64_t da = make_smem_desc_sw128(sA + st * L::kABytes + wg * 64 * kBlockK);
+    // Four m64nBNk32 wgmmas over stage st's 128-wide K block (wave w's rows) into P
+    // (overwritten), committed as one group.
+    auto issue = [&](float(&P)[kRegs], int st, int w) {
+      const uint64_t da = make_smem_desc_sw128(sA + st * L::kABytes + wave_row(w) * kBlockK);
       const uint64_t db = make_smem_desc_sw128(sB + st * L::kBBytes);
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) fence_operand(P[i]);
@@ -277,8 +300,8 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       }
     };
     // acc += P * sa[row] * sb[col] with the stage's scales (DeepSeek-V3 promotion).
-    auto promote = [&](const float(&P)[kRegs], int st, float sa0, float sa1, float lo, float hi,
-                       int boundary) {
+    auto promote = [&](float(&acc)[kRegs], const float(&P)[kRegs], int st, float sa0, float sa1,
+                       float lo, float hi, int boundary) {
       if constexpr (kPerRowB) {
         const float* sb = sSB + st * BN;
 #pragma unroll
@@ -303,6 +326,18 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
         }
       }
     };
+    // 128x128 block scales of stage s are warp-uniform: lane 0 reads them, a shuffle hands
+    // them out.
+    auto block_scales = [&](float& lo, float& hi) {
+      if constexpr (!kPerRowB) {
+        if (lane == 0) {
+          lo = sSB[s * BN];
+          if constexpr (kTwoBlocks) hi = sSB[s * BN + 1];
+        }
+        lo = __shfl_sync(0xffffffffu, lo, 0);
+        if constexpr (kTwoBlocks) hi = __shfl_sync(0xffffffffu, hi, 0);
+      }
+    };
     // One K block. kNext: block kb+1's wgmmas go into Pn first (two partials); then wait for
     // block kb (in Pc), free its stage and promote it. No branch between issue and wait:
     // ptxas serialises wgmmas (C7514) when it cannot see which group a register belongs to.
@@ -312,21 +347,13 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       const uint32_t phn = sn == 0 ? phase ^ 1 : phase;
       if (kNext) {
         mbar_wait(&full[sn], phn);
-        issue(Pn, sn);
+        issue(Pn, sn, 0);
       }
       // the scales are read while the tensor cores work
       const float sa0 = sSA[s * BM + wg * 64 + row_in_wg];
       const float sa1 = sSA[s * BM + wg * 64 + row_in_wg + 8];
-      // block scales are warp-uniform: lane 0 reads them, a shuffle hands them out
       float lo = 0.f, hi = 0.f;
-      if constexpr (!kPerRowB) {
-        if (lane == 0) {
-          lo = sSB[s * BN];
-          if constexpr (kTwoBlocks) hi = sSB[s * BN + 1];
-        }
-        lo = __shfl_sync(0xffffffffu, lo, 0);
-        if constexpr (kTwoBlocks) hi = __shfl_sync(0xffffffffu, hi, 0);
-      }
+      block_scales(lo, hi);
       if (kNext) wgmma_wait<1>();
       else wgmma_wait<0>();
 #pragma unroll
@@ -334,25 +361,48 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       // Block scales are in registers now: free the stage before promoting, so the producer
       // refills it one promotion earlier. Per-row B scales are read during the promotion.
       if constexpr (!kPerRowB) release(s);
-      promote(Pc, s, sa0, sa1, lo, hi, boundary);
+      promote(acc[0], Pc, s, sa0, sa1, lo, hi, boundary);
       if constexpr (kPerRowB) release(s);
       s = sn;
       phase = phn;
     };
+    // One K block with one partial: per wave, four wgmmas, wait, promote (the other
+    // warpgroup's wgmmas keep the tensor cores busy meanwhile).
+    auto step_waves = [&](int boundary) {
+      mbar_wait(&full[s], phase);
+      float lo = 0.f, hi = 0.f;
+      block_scales(lo, hi);
+#pragma unroll
+      for (int w = 0; w < kWaves; ++w) {
+        issue(part0, s, w);
+        const float sa0 = sSA[s * BM + wave_row(w) + row_in_wg];
+        const float sa1 = sSA[s * BM + wave_row(w) + row_in_wg + 8];
+        wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i) fence_operand(part0[i]);
+        if (!kPerRowB && w == kWaves - 1) release(s);
+        promote(acc[w], part0, s, sa0, sa1, lo, hi, boundary);
+      }
+      if constexpr (kPerRowB) release(s);
+      if (++s == STAGES) { s = 0; phase ^= 1; }
+    };
     constexpr bool kIssueNext = true, kLast = false;
 
     for (int u = first_unit; u < num_units; u += unit_stride) {
-      int um, nb;
-      tile_coords(u, num_um, num_n, um, nb);
-      const int mb = um * CLUSTER + rank;
+      int um, un;
+      tile_coords(u, num_um, num_un, um, un);
+      const int mb = kShareA ? um : um * CLUSTER + rank;
+      const int nb = kShareA ? un * CLUSTER + rank : un;
       // columns [0, boundary) of this tile use the first weight-scale block, the rest the next
       const int boundary = 128 * (nb * BN / 128 + 1) - nb * BN;
 #pragma unroll
-      for (int i = 0; i < kRegs; ++i) acc[i] = 0.f;
+      for (int w = 0; w < kWaves; ++w)
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i) acc[w][i] = 0.f;
 
       if constexpr (kTwoPartials) {
         mbar_wait(&full[s], phase);
-        issue(part0, s);
+        issue(part0, s, 0);
         int kb = 0;
         for (; kb + 2 < p.num_kb; kb += 2) {
           step(kIssueNext, part0, part1, boundary);
@@ -365,11 +415,7 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
           step(kLast, part0, part1, boundary);
         }
       } else {
-        for (int kb = 0; kb < p.num_kb; ++kb) {
-          mbar_wait(&full[s], phase);
-          issue(part0, s);
-          step(kLast, part0, part0, boundary);
-        }
+        for (int kb = 0; kb < p.num_kb; ++kb) step_waves(boundary);
       }
 
       // ------------------------------------------------------------------------ epilogue
@@ -377,6 +423,9 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
       if (wg_leader) tma_store_wait_read();  // the previous tile's store has left smem
       named_barrier(1 + wg, 128);
       const OutT* bias = static_cast<const OutT*>(p.bias);
+#pragma unroll
+      for (int w = 0; w < kWaves; ++w) {
+        uint8_t* my_out = sOut + wave_row(w) * BN * 2;  // BN/64 boxes of 64 rows
 #pragma unroll
       for (int j = 0; j < kRegs / 4; ++j) {
         const int c = 8 * j + col_q;  // column inside the tile
@@ -393,16 +442,21 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = row_in_wg + 8 * h;
-          const uint32_t v = OutTraits<OutT>::pack(acc[4 * j + 2 * h] + b0, acc[4 * j + 2 * h + 1] + b1);
+          const uint32_t v = OutTraits<OutT>::pack(acc[w][4 * j + 2 * h] + b0,
+                                                   acc[w][4 * j + 2 * h + 1] + b1);
           *reinterpret_cast<uint32_t*>(box + r * 128 + ((chunk ^ (r % 8)) * 16) + (col_q * 2)) = v;
         }
       }
+      }
       fence_proxy_async_smem();
       named_barrier(1 + wg, 128);
-      if (wg_leader && mb < num_m) {
+      if (wg_leader && mb < num_m && nb < num_n) {
 #pragma unroll
-        for (int cb = 0; cb < BN / 64; ++cb)
-          tma_store_2d(&tmap_c, my_out + cb * 64 * 128, nb * BN + cb * 64, mb * BM + wg * 64);
+        for (int w = 0; w < kWaves; ++w)
+#pragma unroll
+          for (int cb = 0; cb < BN / 64; ++cb)
+            tma_store_2d(&tmap_c, sOut + wave_row(w) * BN * 2 + cb * 64 * 128, nb * BN + cb * 64,
+                         mb * BM + wave_row(w));
         tma_store_commit();
       }
     }
@@ -411,5 +465,6 @@ __global__ void __launch_bounds__((BM / 64 + 1) * 128, 1)
   // No CTA may exit while its peer can still multicast into it or arrive on its barriers.
   if constexpr (CLUSTER > 1) cluster_sync();
 }
+#undef FP8L_TILE_WALK
 
 }  // namespace fp8l

@@ -142,19 +142,30 @@ def sm90_fuse_quant(m: int, k: int, plan) -> bool:
 
 
 # The large-M kernel's tile configurations, index = config id; mirrors kConfigs in
-# csrc/sm90/gemm.cu: (BM, BN, stages, cluster size).
-SM90_GEMM_CONFIGS = ((128, 128, 5, 1), (64, 128, 8, 1), (128, 128, 5, 2), (128, 192, 4, 1))
+# csrc/sm90/gemm.cu: (BM, BN, stages, cluster size, share_a), where a cluster pair
+# multicasts the activation tile (share_a) or else the weight tile.
+SM90_GEMM_CONFIGS = ((128, 128, 5, 1, False), (64, 128, 8, 1, False), (128, 128, 5, 2, False),
+                     (128, 192, 4, 1, False), (256, 128, 3, 1, False), (256, 128, 3, 2, True))
 _FORCE_GEMM = "FP8LINEAR_SM90_GEMM_CONFIG"
+
+
+# A tile's time per unit of area, relative to 128x128 (measured on full waves):
+#   128x192 keeps one partial accumulator (registers), so it loses its tensor cores during
+#     promotions: 8192^2 x 4096 ran 1.63x the time of 128x128 tiles for 1.5x the area -> 1.1;
+#   256x128 (two 64-row waves per warpgroup) moves less shared memory and L2 data per FLOP:
+#     0.86-0.91x the time of 128x128 per area on 8192^2, 28672x4096, 57344x8192 -> 0.9
+#     (rounded up, so that near-ties keep the smaller tile: 28672x4096 x 512 ran 113 us with
+#     128x128, 120 with 256x128 at 0.99x the waves x area).
+_TILE_COST = {(128, 192): 1.1, (256, 128): 0.9}
 
 
 def _waves_x_area(m: int, n: int, num_sms: int, cfg) -> float:
     # A configuration costs its wave count (a last, partial wave costs a full one) times its
-    # tile's time: the tile area, x 1.1 for 128x192, which keeps one partial accumulator
-    # (registers) and so loses its tensor cores during promotions (measured on full waves:
-    # 8192^2 x 4096, 128x192 tiles 1.63x the time of 128x128 ones for 1.5x the area).
-    bm, bn, _, cluster = cfg
+    # tile's time.
+    bm, bn, _, cluster, _ = cfg
     tiles = cdiv(m, bm) * cdiv(n, bn)
-    return cdiv(tiles, num_sms // cluster * cluster) * bm * bn * (1.1 if bn == 192 else 1.0)
+    return (cdiv(tiles, num_sms // cluster * cluster) * bm * bn
+            * _TILE_COST.get((bm, bn), 1.0))
 
 
 def forced_gemm_config() -> int | None:
@@ -200,16 +211,16 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, _forced_ctas=None):
     tiles128 = cdiv(m, 128) * cdiv(n, 128)
     if tiles128 < num_sms // 2:
         return ("gemm", 1)
-    # 128x192 tiles when they need fewer waves x area than 128x128 (N = 2112: 11 full tiles
-    # instead of 16.5; measured 1.05-1.2x at M = 1024-4096); ties keep 128x128.
-    if _waves_x_area(m, n, num_sms, SM90_GEMM_CONFIGS[3]) < \
-            _waves_x_area(m, n, num_sms, SM90_GEMM_CONFIGS[0]):
-        return ("gemm", 3)
-    # Pairs of CTAs multicasting the shared weight tile from M >= 4096: 1-4% faster there
-    # (less L2 traffic), 1-3% slower below, where the pair's lockstep costs more than it saves.
-    if m >= 4096:
+    # The fewest waves x tile time among 128x128, 256x128 and 128x192 (N = 2112: 11 full
+    # 192-column tiles instead of 16.5); ties keep the smaller tile.
+    best = min((0, 4, 3), key=lambda c: _waves_x_area(m, n, num_sms, SM90_GEMM_CONFIGS[c]))
+    # 128x128 pairs multicasting the shared weight tile from M >= 4096: 1-4% faster there
+    # (less L2 traffic), 1-3% slower below, where the pair's lockstep costs more than it
+    # saves. (256x128 pairs sharing the activation tile, config 5, measured 1-5% slower than
+    # unpaired 256x128: forced only.)
+    if best == 0 and m >= 4096:
         return ("gemm", 2)
-    return ("gemm", 0)
+    return ("gemm", best)
 
 
 # ------------------------------------------------------------------------- Triton tiles

@@ -12,12 +12,13 @@ H100 = h.TritonDevice(SMS, 227 * 1024, False, (9, 0))
 
 @pytest.mark.parametrize("m,n,k,config", [
     (128, 4096, 4096, 1),     # 32 tiles of 128x128 for 132 SMs: 64-row tiles
-    (512, 8192, 8192, 0),     # full waves of 128x128
+    (512, 4096, 4096, 0),     # one full wave of 128x128; 256x128 would idle half the SMs
+    (512, 8192, 8192, 4),     # two waves of 128x128 = one of 256x128, which is cheaper
+    (8192, 8192, 8192, 4),
+    (2048, 4096, 4096, 4),
+    (512, 28672, 4096, 0),    # 7 waves of 128x128 vs 4 of 256x128: near tie, smaller tile
     (1024, 2112, 7168, 3),    # 2112 = 11 x 192: one wave of 128x192 instead of two
-    (4096, 2112, 7168, 3),
-    (8192, 8192, 8192, 2),    # M >= 4096: 2-CTA multicast (ties keep 128x128)
-    (4096, 4096, 4096, 2),
-    (2048, 4096, 4096, 0),
+    (8192, 2112, 7168, 2),    # 128x128 at M >= 4096: 2-CTA multicast
 ])
 def test_large_m_configs(m, n, k, config):
     assert h.sm90_plan(m, n, k, SMS) == ("gemm", config)
