@@ -99,13 +99,11 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
   using L = GemmSmem<BM, BN, STAGES>;
   constexpr int kMathWG = L::kMathWG;
   constexpr int kWaves = L::kWaves;
-  static_assert((BN % 64 == 0 && BN <= 192) || BN == 32,
-                "BN: whole 64-column store boxes (or one 32-column box), <= 96 registers");
+  static_assert(BN % 64 == 0 && BN <= 192, "BN: whole 64-column store boxes, <= 96 regs");
   static_assert(BM == 64 || BM == 128 || (BM == 256 && BN == 128),
                 "one or two math warpgroups; two waves only with 64 registers a partial");
   static_assert(CLUSTER == 1 || CLUSTER == 2, "pairs of CTAs at most");
   static_assert(CLUSTER == 2 || !kShareA, "sharing A needs a pair");
-  constexpr int kBoxN = BN < 64 ? BN : 64;  // output columns per TMA store box
   // 128x128 weight-scale blocks: a BN-column tile lies in one block when BN divides 128,
   // else (BN = 192) it can straddle two; the boundary falls on a 64-column multiple.
   constexpr bool kTwoBlocks = !kPerRowB && (128 % BN != 0);
@@ -438,18 +436,15 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
           b0 = bb.x;
           b1 = bb.y;
         }
-        // box = 64 columns (128 B) x 64 rows; 16-byte chunk index XOR (row % 8) = swizzle.
-        // (BN = 32: one unswizzled box of 32 columns, 64 B rows)
-        uint8_t* box = my_out + (c / kBoxN) * 64 * kBoxN * 2;
-        const int chunk = (c % kBoxN) / 8;
+        // box = 64 columns (128 B) x 64 rows; 16-byte chunk index XOR (row % 8) = swizzle
+        uint8_t* box = my_out + (c / 64) * 64 * 128;
+        const int chunk = (c % 64) / 8;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = row_in_wg + 8 * h;
           const uint32_t v = OutTraits<OutT>::pack(acc[w][4 * j + 2 * h] + b0,
                                                    acc[w][4 * j + 2 * h + 1] + b1);
-          const int off = kBoxN == 64 ? r * 128 + ((chunk ^ (r % 8)) * 16) + (col_q * 2)
-                                      : r * kBoxN * 2 + c % kBoxN * 2;
-          *reinterpret_cast<uint32_t*>(box + off) = v;
+          *reinterpret_cast<uint32_t*>(box + r * 128 + ((chunk ^ (r % 8)) * 16) + (col_q * 2)) = v;
         }
       }
       }
@@ -459,9 +454,8 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
 #pragma unroll
         for (int w = 0; w < kWaves; ++w)
 #pragma unroll
-          for (int cb = 0; cb < BN / kBoxN; ++cb)
-            tma_store_2d(&tmap_c, sOut + wave_row(w) * BN * 2 + cb * 64 * kBoxN * 2,
-                         nb * BN + cb * kBoxN,
+          for (int cb = 0; cb < BN / 64; ++cb)
+            tma_store_2d(&tmap_c, sOut + wave_row(w) * BN * 2 + cb * 64 * 128, nb * BN + cb * 64,
                          mb * BM + wave_row(w));
         tma_store_commit();
       }

@@ -146,7 +146,7 @@ def sm90_fuse_quant(m: int, k: int, plan) -> bool:
 # multicasts the activation tile (share_a) or else the weight tile.
 SM90_GEMM_CONFIGS = ((128, 128, 5, 1, False), (64, 128, 8, 1, False), (128, 128, 5, 2, False),
                      (128, 192, 4, 1, False), (256, 128, 3, 1, False), (256, 128, 3, 2, True),
-                     (64, 64, 12, 1, False), (64, 32, 16, 1, False))
+                     (64, 64, 12, 1, False))
 _FORCE_GEMM = "FP8LINEAR_SM90_GEMM_CONFIG"
 
 
@@ -195,6 +195,15 @@ def sm90_plan(m: int, n: int, k: int, num_sms: int):
 def _sm90_plan(m: int, n: int, k: int, num_sms: int, _forced_ctas=None):
     # Cached: the same shapes repeat every step.
     num_kb = cdiv(k, BLOCK)
+    # 64x64 tiles of the large-M kernel: twice the CTAs of 64x128, for the middle of the M
+    # range where too few tiles would leave SMs idle; only while they fit in one wave.
+    tiles64 = cdiv(m, 64) * cdiv(n, 64)
+    if SM90_DECODE_TILES[2] < m <= SM90_DECODE_MAX_M and num_kb <= 32 and tiles64 <= num_sms:
+        # 33-64 tokens over a short K: one wave of 64x64 tiles beats the split-K decode
+        # kernel, whose split reduction is a larger share of a short K range (H100, M=64:
+        # 4096^2 11.6 vs 13.5 us, 7168x2048 9.6 vs 11.8, 6144x4096 13.8 vs 14.5; with 56-64
+        # K blocks decode stays ahead: 2112x7168 14.4 vs 16.8, 8192^2 27.8 vs 28.9).
+        return ("gemm", 6)
     if m <= SM90_DECODE_MAX_M:
         # Decode is bound by reading the weights once. Swap-AB puts the tokens on wgmma's
         # narrow side: the smallest token tile >= M wastes no tensor-core work on padding.
@@ -211,10 +220,16 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, _forced_ctas=None):
     # Large M: 64-row tiles when 128-row ones would leave most SMs idle (twice the CTAs).
     tiles128 = cdiv(m, 128) * cdiv(n, 128)
     if tiles128 < num_sms // 2:
-        return ("gemm", 1)
+        # ... and 64x64 ones when even those fit in one wave (M=128: 4096^2 11.8 vs 13.5 us,
+        # 2112x7168 16.7 vs 19.5; M=256 2112x7168 17.0 vs 19.6)
+        return ("gemm", 6 if tiles64 <= num_sms else 1)
     # The fewest waves x tile time among 128x128, 256x128 and 128x192 (N = 2112: 11 full
     # 192-column tiles instead of 16.5); ties keep the smaller tile.
-    best = min((0, 4, 3), key=lambda c: _waves_x_area(m, n, num_sms, SM90_GEMM_CONFIGS[c]))
+    # (128x192 only from 512 tokens: below, measured slower than 128x128 or 64x128 where it
+    # had the fewer waves, e.g. 24576x1536 x 128 21.6 vs 19.7 us, 10240x8192 x 256 54.9 us
+    # against DeepGEMM's 37.3)
+    candidates = (0, 4, 3) if m >= 512 else (0, 4)
+    best = min(candidates, key=lambda c: _waves_x_area(m, n, num_sms, SM90_GEMM_CONFIGS[c]))
     # 128x128 pairs multicasting the shared weight tile from M >= 4096: 1-4% faster there
     # (less L2 traffic), 1-3% slower below, where the pair's lockstep costs more than it
     # saves. (256x128 pairs sharing the activation tile, config 5, measured 1-5% slower than

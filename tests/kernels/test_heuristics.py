@@ -11,7 +11,10 @@ H100 = h.TritonDevice(SMS, 227 * 1024, False, (9, 0))
 
 
 @pytest.mark.parametrize("m,n,k,config", [
-    (128, 4096, 4096, 1),     # 32 tiles of 128x128 for 132 SMs: 64-row tiles
+    (128, 4096, 4096, 6),     # 32 tiles of 128x128 for 132 SMs: 64x64 tiles (128, one wave)
+    (128, 7168, 2048, 1),     # 64x64 would need two waves: 64x128
+    (128, 24576, 1536, 0),    # 192 tiles of 128x128: 128x192 only from M = 512
+    (64, 4096, 4096, 6),      # 33-64 tokens, 32 K blocks, one wave of 64x64: large-M kernel
     (512, 4096, 4096, 0),     # one full wave of 128x128; 256x128 would idle half the SMs
     (512, 8192, 8192, 4),     # two waves of 128x128 = one of 256x128, which is cheaper
     (8192, 8192, 8192, 4),
@@ -37,7 +40,8 @@ def test_forced_gemm_config(monkeypatch):
     (1, 2112, 7168, 0, 7, 2),
     (1, 7168, 16384, 0, 2, 1),      # 64 K blocks a CTA: one CTA an SM
     (16, 4096, 4096, 1, 4, 2),
-    (64, 4096, 4096, 3, 4, 1),      # 64-token tiles never pair up (registers)
+    (64, 2112, 7168, 3, 7, 1),      # 64-token tiles never pair up (registers)
+    (64, 8192, 8192, 3, 2, 1),      # 64 K blocks: the split-K decode kernel, not 64x64 tiles
 ])
 def test_decode_plans(m, n, k, tile, splits, ctas):
     assert h.sm90_plan(m, n, k, SMS) == ("decode", tile, splits, ctas)
@@ -48,7 +52,7 @@ def test_decode_ctas_forced(monkeypatch):
     assert h.sm90_plan(1, 4096, 4096, SMS)[3] == 1
     monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CTAS", "2")
     assert h.sm90_plan(1, 7168, 16384, SMS)[3] == 2
-    assert h.sm90_plan(64, 4096, 4096, SMS)[3] == 1                # not for 64-token tiles
+    assert h.sm90_plan(64, 2112, 7168, SMS)[3] == 1                # not for 64-token tiles
     monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CTAS", "3")
     with pytest.raises(ValueError, match="FP8LINEAR_SM90_DECODE_CTAS"):
         h.sm90_plan(1, 4096, 4096, SMS)
