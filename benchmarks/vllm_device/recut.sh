@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# CPU side. The shared recipe (../shared/vllm-device/prepare.sh) cuts vLLM's wheels into six
+# chunks of 60 MB; a device call carries the working tree plus one chunk and refuses more than
+# 64 MiB in all, so once the repository's tracked files pass ~7 MB (benchmark results) the
+# 60 MB chunks no longer fit. This re-cuts the same bytes into .vllm-wheels/d0 ... d6 (50 MB
+# each, ignored like the rest of .vllm-wheels); benchmarks/vllm_device/install_parts.sh
+# installs them on the device, one call per chunk:
+#   bash benchmarks/vllm_device/recut.sh                       # here, after prepare.sh
+#   run: bash benchmarks/vllm_device/install_parts.sh           # carry .vllm-wheels/d0, then d1 ...
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+W=.vllm-wheels
+ls $W/c*/part-* > /dev/null 2>&1 || { echo "no $W/c*/part-*: run ../shared/vllm-device/prepare.sh first"; exit 1; }
+rm -rf $W/d? && mkdir -p $W/recut
+cat $W/c*/part-* | split -b 50000000 -d -a 2 - $W/recut/p
+n=0
+for f in $W/recut/p*; do mkdir -p $W/d$n && mv "$f" $W/d$n/; n=$((n + 1)); done
+rmdir $W/recut
+echo "$n chunks: $(du -sh $W/d* | tr '\n' ' ')"
+echo "$n" > $W/recut_count
