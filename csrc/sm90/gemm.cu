@@ -18,7 +18,7 @@ struct Config {
 constexpr Config kConfigs[] = {{128, 128, 5, 1, false}, {64, 128, 8, 1, false},
                                {128, 128, 5, 2, false}, {128, 192, 4, 1, false},
                                {256, 128, 3, 1, false}, {256, 128, 3, 2, true},
-                               {64, 64, 12, 1, false}};
+                               {64, 64, 12, 1, false},   {128, 64, 8, 1, false}};
 
 // A launch of `grid` CTAs in clusters of `cluster` along x; `attr` must outlive the config.
 cudaLaunchConfig_t cluster_launch(int grid, int threads, int smem, cudaStream_t stream,

@@ -146,7 +146,7 @@ def sm90_fuse_quant(m: int, k: int, plan) -> bool:
 # multicasts the activation tile (share_a) or else the weight tile.
 SM90_GEMM_CONFIGS = ((128, 128, 5, 1, False), (64, 128, 8, 1, False), (128, 128, 5, 2, False),
                      (128, 192, 4, 1, False), (256, 128, 3, 1, False), (256, 128, 3, 2, True),
-                     (64, 64, 12, 1, False))
+                     (64, 64, 12, 1, False), (128, 64, 8, 1, False))
 _FORCE_GEMM = "FP8LINEAR_SM90_GEMM_CONFIG"
 
 
