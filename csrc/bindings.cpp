@@ -38,6 +38,7 @@ void gemm(const at::Tensor& a, const at::Tensor& a_scale_t, const at::Tensor& w,
   g.w_scale = w_scale.data_ptr<float>();
   g.w_scale_per_row = per_row;
   g.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  g.bias_f32 = bias.has_value() && bias->scalar_type() == at::kFloat;
   g.out = out.data_ptr();
   g.out_dtype = out_code(out);
   g.M = int(a.size(0));
@@ -79,6 +80,7 @@ void decode(const at::Tensor& x, const c10::optional<at::Tensor>& x_scale, const
   d.w_scale = w_scale.data_ptr<float>();
   d.w_scale_per_row = per_row;
   d.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  d.bias_f32 = bias.has_value() && bias->scalar_type() == at::kFloat;
   d.out = out.data_ptr();
   d.out_dtype = out_code(out);
   d.workspace = workspace.data_ptr<float>();

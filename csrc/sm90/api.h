@@ -15,7 +15,8 @@ struct GemmArgs {
   const void* w;          // [N, K] fp8 e4m3, row-major
   const float* w_scale;   // [ceil(N/128), num_kb] or [N, num_kb]
   bool w_scale_per_row;
-  const void* bias;       // [N] in the output dtype, or nullptr
+  const void* bias;       // [N] in the output dtype or fp32 (bias_f32), or nullptr
+  bool bias_f32;
   void* out;              // [M, N] bf16/fp16
   int out_dtype;
   int M, N, K;
@@ -46,7 +47,8 @@ struct DecodeArgs {
   const void* w;          // [N, K] fp8
   const float* w_scale;   // [ceil(N/128), num_kb] or [N, num_kb]
   bool w_scale_per_row;
-  const void* bias;       // [N] in the output dtype, or nullptr
+  const void* bias;       // [N] in the output dtype or fp32 (bias_f32), or nullptr
+  bool bias_f32;
   void* out;              // [M, N]
   int out_dtype;
   float* workspace;       // fp32 [splits * tiles * BT * 128] when splits > 1

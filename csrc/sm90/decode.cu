@@ -52,7 +52,7 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
   cudaError_t err = ensure_smem_limit<kernel>(smem);
   if (err != cudaSuccess) return cudaGetErrorString(err);
   DecodeParams p{d.x,         d.x_dtype,  d.x_scale, d.xs_stride_m, d.xs_stride_kb,
-                 d.w_scale,   d.bias,     d.out,     d.workspace,   d.counters,
+                 d.w_scale,   d.bias,     d.bias_f32, d.out,     d.workspace,   d.counters,
                  d.M,         d.N,        d.K,       num_kb,        d.splits,
                  stages};
   cudaLaunchConfig_t cfg = {};

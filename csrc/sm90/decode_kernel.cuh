@@ -54,7 +54,8 @@ struct DecodeParams {
   const float* x_scale;  // scale of (m, kb) at x_scale[m * xs_stride_m + kb * xs_stride_kb]
   int xs_stride_m, xs_stride_kb;
   const float* w_scale;
-  const void* bias;
+  const void* bias;      // output dtype, or fp32 (bias_f32: added without rounding first)
+  bool bias_f32;
   void* out;
   float* workspace;
   int* counters;
@@ -256,6 +257,9 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
   // 3. epilogue
   OutT* out = static_cast<OutT*>(p.out);
   const OutT* bias = static_cast<const OutT*>(p.bias);
+  auto bias_at = [&](int n) {
+    return p.bias_f32 ? static_cast<const float*>(p.bias)[n] : to_f(bias[n]);
+  };
   if (p.splits == 1) {
 #pragma unroll
     for (int j = 0; j < kRegs / 4; ++j) {
@@ -264,7 +268,7 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
         const int n = n0 + wg * 64 + r0 + (e >= 2 ? 8 : 0);
         const int m = m0 + 8 * j + cq + (e & 1);
         if (m < p.M && n < p.N) {
-          const float b = bias != nullptr ? to_f(bias[n]) : 0.f;
+          const float b = bias != nullptr ? bias_at(n) : 0.f;
           out[size_t(m) * p.N + n] = OutTraits<OutT>::from(acc[4 * j + e] + b);
         }
       }
@@ -329,7 +333,7 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
       float o[4] = {sum[u].x, sum[u].y, sum[u].z, sum[u].w};
       if (bias != nullptr) {
 #pragma unroll
-        for (int q = 0; q < 4; ++q) o[q] += to_f(bias[n + q]);
+        for (int q = 0; q < 4; ++q) o[q] += bias_at(n + q);
       }
       uint2 packed;
       packed.x = OutTraits<OutT>::pack(o[0], o[1]);

@@ -90,7 +90,7 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   int slots = g.num_sms / CLUSTER * CLUSTER;
   if (CLUSTER > 1) slots = max_cluster_ctas<kernel>(CLUSTER, L::kAlloc, kThreads, g.num_sms);
   const int grid = units * CLUSTER < slots ? units * CLUSTER : slots;
-  GemmParams p{g.M, g.N, g.K, num_kb, g.w_scale, g.bias};
+  GemmParams p{g.M, g.N, g.K, num_kb, g.w_scale, g.bias, g.bias_f32};
   if constexpr (CLUSTER == 1) {
     kernel<<<grid, kThreads, L::kAlloc, stream>>>(ta, tb, tsa, tc, p);
   } else {

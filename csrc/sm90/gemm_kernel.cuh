@@ -55,8 +55,16 @@ struct OutTraits<__half> {
 struct GemmParams {
   int M, N, K, num_kb;
   const float* w_scale;  // [ceil(N/128), num_kb] blocks or [N, num_kb] per row
-  const void* bias;      // [N] in the output dtype, or nullptr
+  const void* bias;      // [N] in the output dtype, or fp32 (bias_f32), or nullptr
+  bool bias_f32;         // an fp32 bias is added as is, not rounded to the output type first
 };
+
+// bias[n], bias[n + 1] as floats, from the output dtype or fp32
+template <typename OutT>
+__device__ __forceinline__ float2 load_bias2(const void* bias, bool f32, int n) {
+  if (f32) return *reinterpret_cast<const float2*>(static_cast<const float*>(bias) + n);
+  return OutTraits<OutT>::load2(static_cast<const OutT*>(bias) + n);
+}
 
 template <int BM, int BN, int STAGES>
 struct GemmSmem {
@@ -422,7 +430,6 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
       const bool wg_leader = threadIdx.x % 128 == 0;
       if (wg_leader) tma_store_wait_read();  // the previous tile's store has left smem
       named_barrier(1 + wg, 128);
-      const OutT* bias = static_cast<const OutT*>(p.bias);
 #pragma unroll
       for (int w = 0; w < kWaves; ++w) {
         uint8_t* my_out = sOut + wave_row(w) * BN * 2;  // BN/64 boxes of 64 rows
@@ -431,8 +438,8 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
         const int c = 8 * j + col_q;  // column inside the tile
         float b0 = 0.f, b1 = 0.f;
         const int n = nb * BN + c;
-        if (bias != nullptr && n < p.N) {
-          const float2 bb = OutTraits<OutT>::load2(bias + n);
+        if (p.bias != nullptr && n < p.N) {
+          const float2 bb = load_bias2<OutT>(p.bias, p.bias_f32, n);
           b0 = bb.x;
           b1 = bb.y;
         }

@@ -157,7 +157,11 @@ _FORCE_GEMM = "FP8LINEAR_SM90_GEMM_CONFIG"
 #     0.86-0.91x the time of 128x128 per area on 8192^2, 28672x4096, 57344x8192 -> 0.9
 #     (rounded up, so that near-ties keep the smaller tile: 28672x4096 x 512 ran 113 us with
 #     128x128, 120 with 256x128 at 0.99x the waves x area).
-_TILE_COST = {(128, 192): 1.1, (256, 128): 0.9}
+#   128x64 runs a full wave in 0.69-0.81x the time of a 128x128 wave for half the area
+#     (4096x14336: 39.3 us at M=256 vs 57.3 at M=512; 2112x7168: 21.8 at 512 vs 80.7/3 at
+#     2048) -> 1.5; it pays where 128-wide tiles leave a wave ragged (2112x7168 x 512: 132
+#     tiles of 128x64, 21.8 us, vs 68 of 128x128, 28.5).
+_TILE_COST = {(128, 192): 1.1, (256, 128): 0.9, (128, 64): 1.5}
 
 
 def _waves_x_area(m: int, n: int, num_sms: int, cfg) -> float:
@@ -223,12 +227,12 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, _forced_ctas=None):
         # ... and 64x64 ones when even those fit in one wave (M=128: 4096^2 11.8 vs 13.5 us,
         # 2112x7168 16.7 vs 19.5; M=256 2112x7168 17.0 vs 19.6)
         return ("gemm", 6 if tiles64 <= num_sms else 1)
-    # The fewest waves x tile time among 128x128, 256x128 and 128x192 (N = 2112: 11 full
-    # 192-column tiles instead of 16.5); ties keep the smaller tile.
+    # The fewest waves x tile time among 128x128, 256x128, 128x192 and 128x64 (N = 2112: 11
+    # full 192-column tiles instead of 16.5, or 33 of 64); ties keep the first listed.
     # (128x192 only from 512 tokens: below, measured slower than 128x128 or 64x128 where it
     # had the fewer waves, e.g. 24576x1536 x 128 21.6 vs 19.7 us, 10240x8192 x 256 54.9 us
     # against DeepGEMM's 37.3)
-    candidates = (0, 4, 3) if m >= 512 else (0, 4)
+    candidates = (0, 4, 3, 7) if m >= 512 else (0, 4, 7)
     best = min(candidates, key=lambda c: _waves_x_area(m, n, num_sms, SM90_GEMM_CONFIGS[c]))
     # 128x128 pairs multicasting the shared weight tile from M >= 4096: 1-4% faster there
     # (less L2 traffic), 1-3% slower below, where the pair's lockstep costs more than it

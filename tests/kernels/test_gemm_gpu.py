@@ -388,6 +388,20 @@ def test_sm90_every_gemm_config(config, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 12688, 128), (8, 264, 256), (40, 264, 256),
+                                   (300, 12688, 128)])
+def test_sm90_fp32_bias_added_in_fp32(m, n, k, monkeypatch):
+    """An fp32 bias with a 16-bit output over one or two K blocks, so that the bias is a large
+    share of each output: rounding it to bf16 before the add (2^-9 of its magnitude) would
+    break the tolerance. Fused decode (M=1), split-K decode (8), 64x64 tiles (40), large-M."""
+    _select("sm90", monkeypatch)
+    for seed in range(3):
+        c = {"m": m, "n": n, "k": k, "per_row": seed == 1, "out": "bf16", "bias": "fp32",
+             "seed": 900 + seed}
+        _check_case(c, f"fp32 bias m={m} seed={seed}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("ctas", [1, 2])
 def test_sm90_decode_ctas_per_sm(ctas, monkeypatch):
     """Both decode kernel variants (one CTA an SM with the whole register file, or two with

@@ -20,7 +20,10 @@ H100 = h.TritonDevice(SMS, 227 * 1024, False, (9, 0))
     (8192, 8192, 8192, 4),
     (2048, 4096, 4096, 4),
     (512, 28672, 4096, 0),    # 7 waves of 128x128 vs 4 of 256x128: near tie, smaller tile
-    (1024, 2112, 7168, 3),    # 2112 = 11 x 192: one wave of 128x192 instead of two
+    (512, 2112, 7168, 7),     # 68 tiles of 128x128 (half a wave) or 132 of 128x64
+    (1024, 2112, 7168, 7),    # two full waves of 128x64 beat one of 128x192
+    (4096, 2112, 7168, 3),    # 2112 = 11 x 192: 3 waves of 128x192 instead of 5 of 128x128
+    (2048, 2112, 7168, 0),    # 4 waves of 128x64 cost as much as 3 of 128x128: the wider
     (8192, 2112, 7168, 2),    # 128x128 at M >= 4096: 2-CTA multicast
 ])
 def test_large_m_configs(m, n, k, config):
