@@ -434,26 +434,26 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
       for (int w = 0; w < kWaves; ++w) {
         uint8_t* my_out = sOut + wave_row(w) * BN * 2;  // BN/64 boxes of 64 rows
 #pragma unroll
-      for (int j = 0; j < kRegs / 4; ++j) {
-        const int c = 8 * j + col_q;  // column inside the tile
-        float b0 = 0.f, b1 = 0.f;
-        const int n = nb * BN + c;
-        if (p.bias != nullptr && n < p.N) {
-          const float2 bb = load_bias2<OutT>(p.bias, p.bias_f32, n);
-          b0 = bb.x;
-          b1 = bb.y;
-        }
-        // box = 64 columns (128 B) x 64 rows; 16-byte chunk index XOR (row % 8) = swizzle
-        uint8_t* box = my_out + (c / 64) * 64 * 128;
-        const int chunk = (c % 64) / 8;
+        for (int j = 0; j < kRegs / 4; ++j) {
+          const int c = 8 * j + col_q;  // column inside the tile
+          float b0 = 0.f, b1 = 0.f;
+          const int n = nb * BN + c;
+          if (p.bias != nullptr && n < p.N) {
+            const float2 bb = load_bias2<OutT>(p.bias, p.bias_f32, n);
+            b0 = bb.x;
+            b1 = bb.y;
+          }
+          // box = 64 columns (128 B) x 64 rows; 16-byte chunk index XOR (row % 8) = swizzle
+          uint8_t* box = my_out + (c / 64) * 64 * 128;
+          const int chunk = (c % 64) / 8;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = row_in_wg + 8 * h;
-          const uint32_t v = OutTraits<OutT>::pack(acc[w][4 * j + 2 * h] + b0,
-                                                   acc[w][4 * j + 2 * h + 1] + b1);
-          *reinterpret_cast<uint32_t*>(box + r * 128 + ((chunk ^ (r % 8)) * 16) + (col_q * 2)) = v;
+          for (int h = 0; h < 2; ++h) {
+            const int r = row_in_wg + 8 * h;
+            const uint32_t v = OutTraits<OutT>::pack(acc[w][4 * j + 2 * h] + b0,
+                                                     acc[w][4 * j + 2 * h + 1] + b1);
+            *reinterpret_cast<uint32_t*>(box + r * 128 + ((chunk ^ (r % 8)) * 16) + (col_q * 2)) = v;
+          }
         }
-      }
       }
       fence_proxy_async_smem();
       named_barrier(1 + wg, 128);
