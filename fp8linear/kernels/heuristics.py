@@ -297,7 +297,7 @@ def triton_config(m: int, n: int, k: int, a_bytes: int, weight_only: bool,
             return cdiv(cdiv(m, bm) * cdiv(n, bn), dev.sms) * bm * bn * eff
         if cost(128, 64, 1.15) < cost(128, 128, 1.0):
             cfg = TritonConfig(128, 64, 4, 4)
-        if cdiv(k, BLOCK) <= 4:
+        if kb <= 4:
             # Short K (e.g. 32768x512): a tile is mostly prologue and epilogue; 64x128 tiles
             # with 4 warps let several programs share an SM and overlap one's epilogue with
             # another's loads (measured 310 vs vLLM's tuned 64x128 286 us at M=4096).

@@ -402,6 +402,24 @@ def test_sm90_fp32_bias_added_in_fp32(m, n, k, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 300])
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
+def test_sm90_bias_view_at_odd_offset(m, bias_dtype, monkeypatch):
+    """A bias that is a view one element into its storage (not 8-byte aligned): the kernels
+    read bias pairs, so the sm90 backend passes an aligned copy instead of the view."""
+    _select("sm90", monkeypatch)
+    c = {"m": m, "n": 264, "k": 256, "per_row": False, "out": "bf16", "bias": None, "seed": 7}
+    _, a, a_s, wq, ws, _ = make_data(c)
+    bias = torch.randn(c["n"] + 1, device=DEVICE).to(bias_dtype)[1:]
+    assert bias.data_ptr() % 8 != 0
+    ref, mag = reference(a, a_s, wq, ws, bias)
+    out = _poisoned(m, c["n"], torch.bfloat16)
+    fp8linear.block_fp8_gemm(a, a_s, wq, ws, out_dtype=torch.bfloat16, out=out, bias=bias)
+    torch.cuda.synchronize()
+    assert_close(out, ref, mag, f"odd-offset {bias_dtype} bias m={m}", bias=bias)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("ctas", [1, 2])
 def test_sm90_decode_ctas_per_sm(ctas, monkeypatch):
     """Both decode kernel variants (one CTA an SM with the whole register file, or two with
