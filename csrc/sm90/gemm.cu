@@ -63,9 +63,10 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   CUtensorMap ta, tb, tsa, tc;
   std::string e;
   const auto sw128 = CU_TENSOR_MAP_SWIZZLE_128B;
-  // with a cluster each CTA loads (and multicasts) its 1/CLUSTER share of the shared tile's rows
+  // a shared weight tile is loaded (and multicast) in halves by the two CTAs of a pair; a
+  // shared activation tile whole by the pair's leader
   if (!(e = make_tensor_map_2d(&ta, g.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, g.M, g.K, g.K,
-                               kShareA ? BM / CLUSTER : BM, kBlockK, sw128)).empty())
+                               BM, kBlockK, sw128)).empty())
     return e;
   if (!(e = make_tensor_map_2d(&tb, g.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, g.N, g.K, g.K,
                                kShareA ? BN : BN / CLUSTER, kBlockK, sw128)).empty())

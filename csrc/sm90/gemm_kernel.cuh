@@ -9,9 +9,10 @@
 //     loads of A, B and the A scales into a STAGES-deep ring, warp 1 copies the B scales of
 //     each stage into shared memory (128x128-block or per-row granularity).
 // CLUSTER = 2: two CTAs on neighbouring SMs take adjacent tiles in lockstep and share one
-// operand tile: vertically adjacent tiles share the weight (B) tile, or with kShareA
-// horizontally adjacent ones share the activation (A) tile. Each CTA loads half of the shared
-// tile and multicasts it to both, so the L2 -> SM traffic per tile drops by half that tile.
+// operand tile: vertically adjacent tiles share the weight (B) tile, each CTA loading half of
+// it and multicasting it to both; or with kShareA horizontally adjacent ones share the
+// activation (A) tile, which the leader (rank 0) loads whole for both. The L2 -> SM traffic
+// per tile drops by half the shared tile (256x128 pairs sharing A: a third).
 // Epilogue: registers -> 128B-swizzled shared memory -> TMA store (clipped at M/N edges), while
 // the producer already streams the next tile.
 #pragma once
@@ -128,7 +129,9 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBar);
   uint64_t* empty = full + STAGES;
 
-  const int wg = threadIdx.x / 128;
+  // warp-uniform as far as the compiler can tell (a shuffle from lane 0): the operand
+  // descriptors derived from it then live in uniform registers, computed off the math path
+  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
   const int warp_in_wg = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
   // Work units: CLUSTER adjacent tiles (along N when they share A, else along M), one per CTA
@@ -149,10 +152,13 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
       // the TMA thread's expect_tx + every thread that wrote B scales into the stage (each
       // writer arrives itself, so its writes are ordered before the consumers' reads)
       mbar_init(&full[s], kPerRowB ? 1 + 32 : 2);
-      // Frees a stage: per math warp of this CTA and of its peer (whose B half lands here)
-      // one arrival; with per-row B scales, every lane of our own warps (each read its own
-      // scales from the stage, and arrives itself so its reads are ordered before the refill).
-      mbar_init(&empty[s], kPerRowB ? kMathWG * 4 * (32 + CLUSTER - 1) : kMathWG * 4 * CLUSTER);
+      // Frees a stage: one arrival per math warp of this CTA (with per-row B scales, per lane:
+      // each read its own scales from the stage, and arrives itself so its reads are ordered
+      // before the refill), plus one per math warp of the peer where the peer's data lands in
+      // our ring from our loads: the B half we multicast, or (sharing A) the whole A tile the
+      // leader (rank 0) multicasts; the follower's ring is refilled by its own loads only.
+      const int remote = CLUSTER > 1 && (!kShareA || cluster_ctarank() == 0) ? kMathWG * 4 : 0;
+      mbar_init(&empty[s], (kPerRowB ? kMathWG * 4 * 32 : kMathWG * 4) + remote);
     }
     fence_barrier_init();
     tma_prefetch_desc(&tmap_a);
@@ -170,7 +176,9 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
     FP8L_TILE_WALK
     if (warp_in_wg == 0) {
       if (lane == 0) {
-        const uint64_t keep = l2_policy_evict_last();  // tiles are re-read by other CTAs
+        // tiles are re-read by other CTAs (measured: evict_normal for both, or for the
+        // weights alone, 0-8% slower)
+        const uint64_t keep = l2_policy_evict_last();
         int s = 0;
         uint32_t phase = 0;
         for (int u = first_unit; u < num_units; u += unit_stride) {
@@ -186,10 +194,10 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
             mbar_arrive_expect_tx(&full[s], L::kABytes + L::kBBytes + BM * 4);
             if constexpr (CLUSTER == 1 || !kShareA) {
               tma_load_2d(sA + s * L::kABytes, &tmap_a, &full[s], kb * kBlockK, mb * BM, keep);
-            } else {
-              constexpr int kHalf = BM / CLUSTER;
-              tma_load_2d_multicast(sA + s * L::kABytes + rank * kHalf * kBlockK, &tmap_a,
-                                    &full[s], kb * kBlockK, mb * BM + rank * kHalf, kBoth, keep);
+            } else if (rank == 0) {
+              // the leader loads the whole shared activation tile for both CTAs
+              tma_load_2d_multicast(sA + s * L::kABytes, &tmap_a, &full[s], kb * kBlockK, mb * BM,
+                                    kBoth, keep);
             }
             if constexpr (CLUSTER == 1 || kShareA) {
               tma_load_2d(sB + s * L::kBBytes, &tmap_b, &full[s], kb * kBlockK, nb * BN, keep);
@@ -273,11 +281,16 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
     int s = 0;
     uint32_t phase = 0;
 
+    // Operand descriptors of stage 0 (wave 0); others differ only in the start address
+    // field (bytes / 16, no carry out of its 14 bits: shared memory ends below 256 KB).
+    const uint64_t desc_a0 = make_smem_desc_sw128(sA + wave_row(0) * kBlockK);
+    const uint64_t desc_b0 = make_smem_desc_sw128(sB);
     // Four m64nBNk32 wgmmas over stage st's 128-wide K block (wave w's rows) into P
     // (overwritten), committed as one group.
     auto issue = [&](float(&P)[kRegs], int st, int w) {
-      const uint64_t da = make_smem_desc_sw128(sA + st * L::kABytes + wave_row(w) * kBlockK);
-      const uint64_t db = make_smem_desc_sw128(sB + st * L::kBBytes);
+      const uint64_t da =
+          desc_a0 + uint32_t((st * L::kABytes + w * kMathWG * 64 * kBlockK) >> 4);
+      const uint64_t db = desc_b0 + uint32_t((st * L::kBBytes) >> 4);
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) fence_operand(P[i]);
       wgmma_fence();
@@ -293,16 +306,20 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
     // Stage st is read (wgmmas done, scales in registers): let the producer(s) refill it.
     // Whoever read the stage's B scales with ordinary loads arrives itself: lane 0 (block
     // scales, shuffled to the warp) or every lane (per-row scales).
+    // In a pair the peer's producer also waits for us where its loads land in our ring: for
+    // B sharing both ways, for A sharing only the leader (rank 0), which multicasts A.
+    const bool tell_peer = CLUSTER > 1 && (!kShareA || rank == 1);
     auto release = [&](int st) {
       if constexpr (kPerRowB) {
         mbar_arrive(&empty[st]);
-        if (CLUSTER > 1 && lane == 0) mbar_arrive_cluster(&empty[st], rank ^ 1);
+        if (tell_peer && lane == 0) mbar_arrive_cluster(&empty[st], rank ^ 1);
       } else {
         __syncwarp();
         if constexpr (CLUSTER == 1) {
           if (lane == 0) mbar_arrive(&empty[st]);
-        } else if (lane < CLUSTER) {
-          // lane 0 frees our stage, lane 1 the peer's (whose B half came from us)
+        } else if (lane < (tell_peer ? 2 : 1)) {
+          // one instruction for both lanes (no divergence): lane 0 frees our stage, lane 1
+          // the peer's
           mbar_arrive_cluster(&empty[st], lane == 0 ? rank : rank ^ 1);
         }
       }

@@ -153,15 +153,16 @@ _FORCE_GEMM = "FP8LINEAR_SM90_GEMM_CONFIG"
 # A tile's time per unit of area, relative to 128x128 (measured on full waves):
 #   128x192 keeps one partial accumulator (registers), so it loses its tensor cores during
 #     promotions: 8192^2 x 4096 ran 1.63x the time of 128x128 tiles for 1.5x the area -> 1.1;
-#   256x128 (two 64-row waves per warpgroup) moves less shared memory and L2 data per FLOP:
-#     0.86-0.91x the time of 128x128 per area on 8192^2, 28672x4096, 57344x8192 -> 0.9
-#     (rounded up, so that near-ties keep the smaller tile: 28672x4096 x 512 ran 113 us with
-#     128x128, 120 with 256x128 at 0.99x the waves x area).
+#   256x128 (two 64-row waves per warpgroup) moves less shared memory and L2 data per FLOP,
+#     and since its operand descriptors moved to uniform registers (session 4) it issues the
+#     next wave right after a promotion: 0.84-0.89x the time of 128x128 per area on 8192^2,
+#     4096x7168, 28672x4096 at M = 2048-8192 -> 0.87 (rounded up, so that near-ties keep the
+#     smaller tile).
 #   128x64 runs a full wave in 0.69-0.81x the time of a 128x128 wave for half the area
 #     (4096x14336: 39.3 us at M=256 vs 57.3 at M=512; 2112x7168: 21.8 at 512 vs 80.7/3 at
 #     2048) -> 1.5; it pays where 128-wide tiles leave a wave ragged (2112x7168 x 512: 132
 #     tiles of 128x64, 21.8 us, vs 68 of 128x128, 28.5).
-_TILE_COST = {(128, 192): 1.1, (256, 128): 0.9, (128, 64): 1.5}
+_TILE_COST = {(128, 192): 1.1, (256, 128): 0.87, (128, 64): 1.5}
 
 
 def _waves_x_area(m: int, n: int, num_sms: int, cfg) -> float:
@@ -236,10 +237,15 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, _forced_ctas=None):
     best = min(candidates, key=lambda c: _waves_x_area(m, n, num_sms, SM90_GEMM_CONFIGS[c]))
     # 128x128 pairs multicasting the shared weight tile from M >= 4096: 1-4% faster there
     # (less L2 traffic), 1-3% slower below, where the pair's lockstep costs more than it
-    # saves. (256x128 pairs sharing the activation tile, config 5, measured 1-5% slower than
-    # unpaired 256x128: forced only.)
+    # saves.
     if best == 0 and m >= 4096:
         return ("gemm", 2)
+    # 256x128 tiles run as pairs whose leader multicasts the shared activation tile (config
+    # 5): a third less L2 -> SM traffic; 3-8% faster than unpaired 256x128 on 8192^2,
+    # 28672x4096, 4096x7168, 2112x7168 at M = 2048-8192 (H100, session 4). (Before the pair
+    # released its stages with one instruction for both lanes, it was 1-5% slower.)
+    if best == 4:
+        return ("gemm", 5)
     return ("gemm", best)
 
 

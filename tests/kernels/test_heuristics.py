@@ -16,15 +16,16 @@ H100 = h.TritonDevice(SMS, 227 * 1024, False, (9, 0))
     (128, 24576, 1536, 0),    # 192 tiles of 128x128: 128x192 only from M = 512
     (64, 4096, 4096, 6),      # 33-64 tokens, 32 K blocks, one wave of 64x64: large-M kernel
     (512, 4096, 4096, 0),     # one full wave of 128x128; 256x128 would idle half the SMs
-    (512, 8192, 8192, 4),     # two waves of 128x128 = one of 256x128, which is cheaper
-    (8192, 8192, 8192, 4),
-    (2048, 4096, 4096, 4),
-    (512, 28672, 4096, 0),    # 7 waves of 128x128 vs 4 of 256x128: near tie, smaller tile
+    (512, 8192, 8192, 5),     # two waves of 128x128 = one of 256x128, which is cheaper
+    (8192, 8192, 8192, 5),
+    (2048, 4096, 4096, 5),
+    (512, 28672, 4096, 5),    # 7 waves of 128x128 vs 4 of 256x128 (0.87 a unit of area)
     (512, 2112, 7168, 7),     # 68 tiles of 128x128 (half a wave) or 132 of 128x64
     (1024, 2112, 7168, 7),    # two full waves of 128x64 beat one of 128x192
     (4096, 2112, 7168, 3),    # 2112 = 11 x 192: 3 waves of 128x192 instead of 5 of 128x128
     (2048, 2112, 7168, 0),    # 4 waves of 128x64 cost as much as 3 of 128x128: the wider
-    (8192, 2112, 7168, 2),    # 128x128 at M >= 4096: 2-CTA multicast
+    (8192, 2112, 7168, 5),    # 5 waves of 256x128 vs 9 of 128x128
+    (4096, 4096, 4096, 5),    # 4 waves of 256x128 vs 8 of 128x128
 ])
 def test_large_m_configs(m, n, k, config):
     assert h.sm90_plan(m, n, k, SMS) == ("gemm", config)
