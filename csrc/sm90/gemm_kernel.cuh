@@ -339,11 +339,20 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
         }
       } else {
         const float s0lo = sa0 * lo, s1lo = sa1 * lo, s0hi = sa0 * hi, s1hi = sa1 * hi;
+        // BN = 192 tiles start at multiples of 192, so the boundary is 128 (even tiles) or 64
+        // (odd): columns [0, 64) use the first block, [128, 192) the second, and only the
+        // middle 64 depend on the tile. One select for them, not one per 8 columns (ptxas
+        // turned those into 48 multiplies between the wgmma wait and the promotion).
+        const bool wide = boundary > 64;
+        const float m0 = wide ? s0lo : s0hi, m1 = wide ? s1lo : s1hi;
 #pragma unroll
         for (int j = 0; j < kRegs / 4; ++j) {
-          // whole 8-column groups lie on one side of the boundary (a multiple of 64)
-          const bool first = !kTwoBlocks || 8 * j < boundary;
-          const float s0 = first ? s0lo : s0hi, s1 = first ? s1lo : s1hi;
+          float s0 = s0lo, s1 = s1lo;
+          if constexpr (kTwoBlocks) {
+            static_assert(!kTwoBlocks || BN == 192, "boundary cases derived for BN = 192");
+            if (8 * j >= 128) s0 = s0hi, s1 = s1hi;
+            else if (8 * j >= 64) s0 = m0, s1 = m1;
+          }
           acc[4 * j + 0] = fmaf(P[4 * j + 0], s0, acc[4 * j + 0]);
           acc[4 * j + 1] = fmaf(P[4 * j + 1], s0, acc[4 * j + 1]);
           acc[4 * j + 2] = fmaf(P[4 * j + 2], s1, acc[4 * j + 2]);

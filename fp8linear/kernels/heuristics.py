@@ -151,8 +151,10 @@ _FORCE_GEMM = "FP8LINEAR_SM90_GEMM_CONFIG"
 
 
 # A tile's time per unit of area, relative to 128x128 (measured on full waves):
-#   128x192 keeps one partial accumulator (registers), so it loses its tensor cores during
-#     promotions: 8192^2 x 4096 ran 1.63x the time of 128x128 tiles for 1.5x the area -> 1.1;
+#   128x192 keeps one partial accumulator (registers); since its promotion selects the
+#     second scale block once per K block instead of per 8 columns (session 4), 6144x4096 and
+#     2112x7168 at M = 1024-4096 run 0.87-0.9x the time of 128x128 per area -> 0.9 (before:
+#     1.63x the time for 1.5x the area, 1.1);
 #   256x128 (two 64-row waves per warpgroup) moves less shared memory and L2 data per FLOP,
 #     and since its operand descriptors moved to uniform registers (session 4) it issues the
 #     next wave right after a promotion: 0.84-0.89x the time of 128x128 per area on 8192^2,
@@ -162,7 +164,7 @@ _FORCE_GEMM = "FP8LINEAR_SM90_GEMM_CONFIG"
 #     (4096x14336: 39.3 us at M=256 vs 57.3 at M=512; 2112x7168: 21.8 at 512 vs 80.7/3 at
 #     2048) -> 1.5; it pays where 128-wide tiles leave a wave ragged (2112x7168 x 512: 132
 #     tiles of 128x64, 21.8 us, vs 68 of 128x128, 28.5).
-_TILE_COST = {(128, 192): 1.1, (256, 128): 0.87, (128, 64): 1.5}
+_TILE_COST = {(128, 192): 0.9, (256, 128): 0.87, (128, 64): 1.5}
 
 
 def _waves_x_area(m: int, n: int, num_sms: int, cfg) -> float:

@@ -19,12 +19,12 @@ H100 = h.TritonDevice(SMS, 227 * 1024, False, (9, 0))
     (512, 8192, 8192, 5),     # two waves of 128x128 = one of 256x128, which is cheaper
     (8192, 8192, 8192, 5),
     (2048, 4096, 4096, 5),
-    (512, 28672, 4096, 5),    # 7 waves of 128x128 vs 4 of 256x128 (0.87 a unit of area)
+    (512, 28672, 4096, 3),    # 5 waves of 128x192 (0.9 an area) vs 4 of 256x128 (0.87)
     (512, 2112, 7168, 7),     # 68 tiles of 128x128 (half a wave) or 132 of 128x64
-    (1024, 2112, 7168, 7),    # two full waves of 128x64 beat one of 128x192
+    (1024, 2112, 7168, 3),    # 2112 = 11 x 192: one full wave of 128x192 (34 vs 37 us)
     (4096, 2112, 7168, 3),    # 2112 = 11 x 192: 3 waves of 128x192 instead of 5 of 128x128
-    (2048, 2112, 7168, 0),    # 4 waves of 128x64 cost as much as 3 of 128x128: the wider
-    (8192, 2112, 7168, 5),    # 5 waves of 256x128 vs 9 of 128x128
+    (2048, 2112, 7168, 3),    # 2 waves of 128x192 vs 3 of 128x128 (68 vs 75 us)
+    (8192, 2112, 7168, 3),    # 6 waves of 128x192 vs 5 of 256x128 pairs
     (4096, 4096, 4096, 5),    # 4 waves of 256x128 vs 8 of 128x128
 ])
 def test_large_m_configs(m, n, k, config):
