@@ -100,6 +100,9 @@ SM90_FUSE_QUANT_MAX_KBS = 8
 
 SM90_DECODE_TWO_PER_SM_MAX_BT = 32
 _FORCE_DECODE_CTAS = "FP8LINEAR_SM90_DECODE_CTAS"
+# Token count up to which the split-K decode kernel runs (default SM90_DECODE_MAX_M; up to
+# 256 with 128-token tiles): benchmarks compare it with the large-M tiles at mid M.
+_DECODE_MAX_M = "FP8LINEAR_SM90_DECODE_MAX_M"
 
 
 def _decode_ctas_per_sm(bt: int, kbs: int) -> int:
@@ -194,12 +197,23 @@ def sm90_plan(m: int, n: int, k: int, num_sms: int):
     forced = forced_gemm_config()
     if forced is not None:
         return ("gemm", forced)
-    # (the decode CTA count per SM can be forced too: part of the cache key)
-    return _sm90_plan(m, n, k, num_sms, os.environ.get(_FORCE_DECODE_CTAS))
+    # (the decode CTA count per SM and the decode range can be set too: part of the cache key)
+    return _sm90_plan(m, n, k, num_sms, os.environ.get(_FORCE_DECODE_CTAS), decode_max_m())
+
+
+def decode_max_m() -> int:
+    v = os.environ.get(_DECODE_MAX_M)
+    if not v:
+        return SM90_DECODE_MAX_M
+    top = SM90_DECODE_TILES[-1] * 2
+    if not v.isdigit() or not 1 <= int(v) <= top:
+        raise ValueError(f"{_DECODE_MAX_M}={v!r}: expected 1..{top}")
+    return int(v)
 
 
 @functools.lru_cache(maxsize=4096)
-def _sm90_plan(m: int, n: int, k: int, num_sms: int, _forced_ctas=None):
+def _sm90_plan(m: int, n: int, k: int, num_sms: int, _forced_ctas=None,
+               decode_max: int = SM90_DECODE_MAX_M):
     # Cached: the same shapes repeat every step.
     num_kb = cdiv(k, BLOCK)
     # 64x64 tiles of the large-M kernel: twice the CTAs of 64x128, for the middle of the M
@@ -211,10 +225,12 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, _forced_ctas=None):
         # 4096^2 11.6 vs 13.5 us, 7168x2048 9.6 vs 11.8, 6144x4096 13.8 vs 14.5; with 56-64
         # K blocks decode stays ahead: 2112x7168 14.4 vs 16.8, 8192^2 27.8 vs 28.9).
         return ("gemm", 6)
-    if m <= SM90_DECODE_MAX_M:
+    if m <= decode_max:
         # Decode is bound by reading the weights once. Swap-AB puts the tokens on wgmma's
-        # narrow side: the smallest token tile >= M wastes no tensor-core work on padding.
-        config = next(i for i, t in enumerate(SM90_DECODE_TILES) if t >= m)
+        # narrow side: the smallest token tile >= M wastes no tensor-core work on padding
+        # (past 128 tokens, 128-token tiles).
+        config = next((i for i, t in enumerate(SM90_DECODE_TILES) if t >= m),
+                      len(SM90_DECODE_TILES) - 1)
         bt = SM90_DECODE_TILES[config]
         tiles = cdiv(n, SM90_DECODE_ROWS) * cdiv(m, bt)
         # Split K until every SM streams weights; the largest split count that still fits in

@@ -437,6 +437,21 @@ def test_sm90_decode_ctas_per_sm(ctas, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_sm90_decode_kernel_up_to_256_tokens(monkeypatch):
+    """FP8LINEAR_SM90_DECODE_MAX_M=256 runs the split-K decode kernel at 65..256 tokens with
+    128-token tiles (one or two per weight-row tile), both weight-scale granularities."""
+    _select("sm90", monkeypatch)
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_MAX_M", "256")
+    cases = [c for c in _sm90_only(gen_cases("sm90", count=600, seed=300))
+             if 64 < c["m"] <= 256][:16]
+    assert len(cases) >= 8 and any(c["m"] > 128 for c in cases)
+    for case in cases:
+        plan = heuristics.sm90_plan(case["m"], case["n"], case["k"], 132)
+        assert plan[0] == "decode" and plan[1] == len(heuristics.SM90_DECODE_TILES) - 1, plan
+        _check_case(case, f"sm90 decode m={case['m']} {_case_id(case)}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(100, 256), (128, 200), (12, 24), (1000, 1000)])
 def test_sm90_rejects_unaligned(n, k, monkeypatch):
     _select("sm90", monkeypatch)

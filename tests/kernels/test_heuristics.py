@@ -120,3 +120,18 @@ def test_forced_sm90_on_another_gpu_fails_before_launch(monkeypatch):
             h.backend_for(torch.device("cuda", 0), 1, 128, 128)
     finally:
         h._check_sm90_device.cache_clear()
+
+
+def test_decode_max_m_knob(monkeypatch):
+    # default: the decode kernel up to 64 tokens, large-M tiles above
+    assert h.sm90_plan(128, 4096, 4096, SMS)[0] == "gemm"
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_MAX_M", "256")
+    plan = h.sm90_plan(256, 4096, 4096, SMS)
+    assert plan[:2] == ("decode", len(h.SM90_DECODE_TILES) - 1)
+    # two 128-token tiles x 32 row tiles: 2 splits fill one wave
+    assert plan[2] == SMS // (2 * 32)
+    assert h.sm90_plan(257, 4096, 4096, SMS)[0] == "gemm"
+    for bad in ("0", "300", "x"):
+        monkeypatch.setenv("FP8LINEAR_SM90_DECODE_MAX_M", bad)
+        with pytest.raises(ValueError, match="FP8LINEAR_SM90_DECODE_MAX_M"):
+            h.sm90_plan(8, 4096, 4096, SMS)
