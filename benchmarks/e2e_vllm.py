@@ -565,8 +565,9 @@ def table(doc: dict) -> str:
     h, results = doc["header"], doc["engines"]
     batches = h["batches"]
     lines = [f"e2e_vllm: {h.get('device')}, vLLM {h.get('vllm')}, torch {h.get('torch')}, "
-             f"{h['model']['layers']}-layer Llama-3.1-8B-shaped model (NOT the 32-layer "
-             f"model), compile={h['compile']}",
+             f"{h['model']['layers']}-layer Llama-3.1-8B-shaped model"
+             f"{'' if h['model']['layers'] == 32 else ' (NOT the 32-layer model)'}, "
+             f"compile={h['compile']}",
              f"{'config':<21}{'start s':>8}{'wt GiB':>8}{'KV tok':>9} | ms per output token at "
              f"batch " + "/".join(map(str, batches)) + " | prefill ms | dlogprob vs bf16 "
              f"(greedy mean/max)"]
