@@ -10,6 +10,15 @@ Prints one row per point: µs per variant, DeepGEMM's, the fastest variant, vs D
     python scripts/dev_variants.py --configs 0,2,3            # large-M tile configs
     python scripts/dev_variants.py --m 1,4,16 --variants "c1:FP8LINEAR_SM90_DECODE_CTAS=1;c2:FP8LINEAR_SM90_DECODE_CTAS=2"
     (--linear times fp8_linear from bf16 instead of block_fp8_gemm)
+
+A/B of two builds of the kernels in one process (run-to-run drift on the device is several
+percent, larger than many kernel changes): build the other source tree with
+`scripts/prebuild_device_ext.sh <repo>/.prebuilt_b` from a copy of the repository holding
+the change (the script keeps that folder out of git; it empties its output folder first, so
+never point it into .prebuilt), carry both folders, and name its .so in a variant (a glob is
+fine):
+    python scripts/dev_variants.py --variants "a:;b:FP8LINEAR_DEV_SO=.prebuilt_b/*/fp8linear_sm90_C.so"
+The variant's launches are captured in its own CUDA graphs, so each graph runs its build.
 """
 from __future__ import annotations
 
@@ -38,6 +47,31 @@ def parse_variants(args) -> dict[str, dict[str, str]]:
         name, _, assigns = spec.partition(":")
         out[name] = dict(a.split("=", 1) for a in assigns.split(",") if a)
     return out or {"default": {}}
+
+
+_DEV_SO = "FP8LINEAR_DEV_SO"
+_loaded_so: dict = {}
+
+
+def use_build(env: dict):
+    """Points fp8linear at the extension build the variant names (FP8LINEAR_DEV_SO), or
+    back at the default one; each .so is loaded once (as its own module object)."""
+    import glob
+    from fp8linear.kernels import build
+    if "default" not in _loaded_so:
+        _loaded_so["default"] = build.load()
+    spec = env.get(_DEV_SO)
+    if not spec:
+        build._module = _loaded_so["default"]
+        return
+    paths = sorted(glob.glob(spec))
+    if len(paths) != 1:
+        raise SystemExit(f"{_DEV_SO}={spec!r} matches {len(paths)} files, expected one")
+    if paths[0] not in _loaded_so:
+        from pathlib import Path
+        _loaded_so[paths[0]] = build._import(Path(paths[0]))
+        print(f"variant build: {paths[0]}", flush=True)
+    build._module = _loaded_so[paths[0]]
 
 
 def with_env(env: dict):
@@ -88,6 +122,7 @@ def main() -> int:
             graphs, errs = {}, {}
             for name in names:
                 old = with_env(variants[name])
+                use_build(variants[name])
                 try:
                     launch = B.make_launch(meth, sd, md, libs)
                     out = launch(0)
@@ -102,6 +137,7 @@ def main() -> int:
                     graphs[name] = C.capture_graph(launch, L, between=between)
                 finally:
                     restore(old)
+                    use_build({})
             if libs.dg is not None and n % 64 == 0 and k % 128 == 0:
                 graphs["DG"] = C.capture_graph(B.make_launch("deepgemm", sd, md, libs), L,
                                                between=between)
