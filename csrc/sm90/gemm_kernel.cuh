@@ -349,7 +349,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
         for (int j = 0; j < kRegs / 4; ++j) {
           float s0 = s0lo, s1 = s1lo;
           if constexpr (kTwoBlocks) {
-            static_assert(!kTwoBlocks || BN == 192, "boundary cases derived for BN = 192");
+            static_assert(BN == 192, "boundary cases derived for BN = 192");
             if (8 * j >= 128) s0 = s0hi, s1 = s1hi;
             else if (8 * j >= 64) s0 = m0, s1 = m1;
           }

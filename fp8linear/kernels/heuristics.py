@@ -251,19 +251,18 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, _forced_ctas=None,
     # (128x192 only from 512 tokens: below, measured slower than 128x128 or 64x128 where it
     # had the fewer waves, e.g. 24576x1536 x 128 21.6 vs 19.7 us, 10240x8192 x 256 54.9 us
     # against DeepGEMM's 37.3)
-    candidates = (0, 4, 3, 7) if m >= 512 else (0, 4, 7)
+    # 256x128 tiles always run as pairs whose leader multicasts the shared activation tile
+    # (config 5, the same waves x area as unpaired config 4): a third less L2 -> SM traffic;
+    # 3-8% faster than unpaired 256x128 on 8192^2, 28672x4096, 4096x7168, 2112x7168 at M =
+    # 2048-8192 (H100, session 4). (Before the pair released its stages with one instruction
+    # for both lanes, it was 1-5% slower.)
+    candidates = (0, 5, 3, 7) if m >= 512 else (0, 5, 7)
     best = min(candidates, key=lambda c: _waves_x_area(m, n, num_sms, SM90_GEMM_CONFIGS[c]))
     # 128x128 pairs multicasting the shared weight tile from M >= 4096: 1-4% faster there
     # (less L2 traffic), 1-3% slower below, where the pair's lockstep costs more than it
     # saves.
     if best == 0 and m >= 4096:
         return ("gemm", 2)
-    # 256x128 tiles run as pairs whose leader multicasts the shared activation tile (config
-    # 5): a third less L2 -> SM traffic; 3-8% faster than unpaired 256x128 on 8192^2,
-    # 28672x4096, 4096x7168, 2112x7168 at M = 2048-8192 (H100, session 4). (Before the pair
-    # released its stages with one instruction for both lanes, it was 1-5% slower.)
-    if best == 4:
-        return ("gemm", 5)
     return ("gemm", best)
 
 
