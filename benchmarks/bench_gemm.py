@@ -17,8 +17,10 @@ Method (issue 3, "Performance"):
 
 What each method times is the call as its own dispatcher runs it:
 - fp8linear: fp8linear.block_fp8_gemm(a_fp8, a_scale, w, w_scale) with pre-quantized
-  activations (a_scale [M, K/128] row-major, what our quant kernel writes), output allocated
-  by the op, any scale re-layout the backend does included;
+  activations, the same tensors DeepGEMM gets (a_scale [M, K/128] M-major with strides
+  (1, ld), ld = M rounded up to 4: the layout our quant kernel writes inside fp8_linear, and
+  vLLM's), output allocated by the op, any scale re-layout the backend does included (until
+  2026-11-23 this method got row-major scales and timed a transposing copy with them);
 - fp8linear_linear: fp8linear.fp8_linear(x_bf16, w, w_scale): activation quant included;
 - fp8linear_triton: fp8linear.block_fp8_gemm with FP8LINEAR_BACKEND=triton;
 - deepgemm: vLLM's DeepGemmFp8BlockScaledMMKernel.apply_block_scaled_mm: torch.empty output +
@@ -428,7 +430,7 @@ def make_launch(method, sd, md, libs):
     r = len(wq)
     if method in ("fp8linear", "fp8linear_triton"):
         from fp8linear import block_fp8_gemm
-        a, s = md.a, md.as_
+        a, s = md.a, md.as_dg
         return lambda i: block_fp8_gemm(a, s, wq[i % r], ws[i % r])
     if method == "fp8linear_linear":
         from fp8linear import fp8_linear

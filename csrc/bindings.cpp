@@ -25,7 +25,8 @@ int out_code(const at::Tensor& out) {
   return out.scalar_type() == at::kBFloat16 ? fp8l::kOutBF16 : fp8l::kOutFP16;
 }
 
-// a [M,K] fp8; a_scale_t [num_kb, ld] fp32; w [N,K] fp8; w_scale blocks or per-row; out [M,N].
+// a [M,K] fp8; a_scale_t [num_kb, M] fp32 with row stride ld (a multiple of 4); w [N,K] fp8;
+// w_scale blocks or per-row; out [M,N].
 void gemm(const at::Tensor& a, const at::Tensor& a_scale_t, const at::Tensor& w,
           const at::Tensor& w_scale, bool per_row, const c10::optional<at::Tensor>& bias,
           at::Tensor& out, int64_t config) {
@@ -33,7 +34,7 @@ void gemm(const at::Tensor& a, const at::Tensor& a_scale_t, const at::Tensor& w,
   fp8l::GemmArgs g{};
   g.a = a.data_ptr();
   g.a_scale_t = a_scale_t.data_ptr<float>();
-  g.a_scale_ld = int(a_scale_t.size(1));
+  g.a_scale_ld = int(a_scale_t.stride(0));
   g.w = w.data_ptr();
   g.w_scale = w_scale.data_ptr<float>();
   g.w_scale_per_row = per_row;
@@ -61,11 +62,12 @@ void quant(const at::Tensor& x, at::Tensor& q, at::Tensor& scale_t) {
 }
 
 // Decode: swap-AB + split-K, activation quantization fused. x [M,K] bf16/fp16, or fp8 with
-// x_scale [M, num_kb]; out [M,N]; workspace fp32 (unused when splits == 1); counters int32
-// >= tiles, zero.
+// x_scale [M, num_kb]; out [M,N]; workspace fp32 (unused when splits == 1 or cluster_reduce);
+// counters int32 >= tiles, zero.
 void decode(const at::Tensor& x, const c10::optional<at::Tensor>& x_scale, const at::Tensor& w, const at::Tensor& w_scale, bool per_row,
             const c10::optional<at::Tensor>& bias, at::Tensor& out, at::Tensor& workspace,
-            at::Tensor& counters, int64_t config, int64_t splits, int64_t ctas_per_sm, bool pdl) {
+            at::Tensor& counters, int64_t config, int64_t splits, int64_t ctas_per_sm, bool pdl,
+            bool cluster_reduce) {
   const c10::cuda::CUDAGuard guard(x.device());
   fp8l::DecodeArgs d{};
   d.x = x.data_ptr();
@@ -92,6 +94,7 @@ void decode(const at::Tensor& x, const c10::optional<at::Tensor>& x_scale, const
   d.splits = int(splits);
   d.ctas_per_sm = int(ctas_per_sm);
   d.pdl = pdl;
+  d.cluster_reduce = cluster_reduce;
   check(fp8l::launch_decode(d, at::cuda::getCurrentCUDAStream()), "decode");
 }
 

@@ -38,6 +38,22 @@ def _check_2d_contiguous(t: torch.Tensor, name: str, dtype, shape):
         _fail(f"{name} must be contiguous (row-major), got strides {t.stride()}")
 
 
+def _check_activation_scale(s: torch.Tensor, m: int, kb: int):
+    # Row-major [M, Kb], or column-major (strides (1, ld), ld >= M): the layout of vLLM's
+    # per_token_group_quant_fp8(column_major_scales=True) and what DeepGEMM takes. With ld a
+    # multiple of 4 the Hopper kernel reads it in place (TMA rows of 16 bytes); any other
+    # layout costs it a transposing copy.
+    if not isinstance(s, torch.Tensor):
+        _fail(f"a_scale must be a torch.Tensor, got {type(s).__name__}")
+    if s.dtype != torch.float32:
+        _fail(f"a_scale must be torch.float32, got {s.dtype}")
+    if tuple(s.shape) != (m, kb):
+        _fail(f"a_scale must have shape {(m, kb)}, got {tuple(s.shape)}")
+    if s.numel() and not (s.is_contiguous() or (s.stride(0) == 1 and s.stride(1) >= m)):
+        _fail(f"a_scale must be row-major, or column-major (strides (1, ld) with ld >= {m}), "
+              f"got strides {s.stride()}")
+
+
 def check_weight(w: torch.Tensor, w_scale: torch.Tensor, name: str = "weight") -> None:
     """Metadata checks for an fp8 weight and its scales (block or per-row)."""
     if not isinstance(w, torch.Tensor) or w.dim() != 2:
@@ -90,7 +106,7 @@ def _check_gemm(a, a_scale, w, w_scale, bias, out_dtype):
               + _describe(a))
     m = a.shape[0]
     _check_2d_contiguous(a, "a (activations)", FP8_DTYPE, (m, k))
-    _check_2d_contiguous(a_scale, "a_scale", torch.float32, (m, cdiv(k, BLOCK)))
+    _check_activation_scale(a_scale, m, cdiv(k, BLOCK))
     for t, nm in ((a, "a (activations)"), (a_scale, "a_scale")):
         if t.device != w.device:
             _fail(f"{nm} is on {t.device} but the weight is on {w.device}")
@@ -156,7 +172,9 @@ def block_fp8_gemm(a_fp8: torch.Tensor, a_scale: torch.Tensor, w_fp8: torch.Tens
                    bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """C[M,N] = sum over 128-wide K blocks of (A.Wt)_blk x a_scale[m,kb] x w_scale[n,kb].
 
-    a_fp8 [M,K] float8_e4m3fn; a_scale fp32 [M, ceil(K/128)]; w_fp8 [N,K] float8_e4m3fn;
+    a_fp8 [M,K] float8_e4m3fn; a_scale fp32 [M, ceil(K/128)], row-major or column-major
+    (strides (1, ld): vLLM's and DeepGEMM's layout; on Hopper with ld % 4 == 0 it is read in
+    place, other layouts cost a copy); w_fp8 [N,K] float8_e4m3fn;
     w_scale fp32 [ceil(N/128), ceil(K/128)] (128x128 blocks) or [N, ceil(K/128)] (per row).
     """
     m, n, _ = _check_gemm(a_fp8, a_scale, w_fp8, w_scale, bias, out_dtype)

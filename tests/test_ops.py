@@ -114,6 +114,18 @@ def test_fp8_linear_non_contiguous_input():
     assert torch.equal(fp8linear.fp8_linear(x, w, w_s), fp8linear.fp8_linear(x.contiguous(), w, w_s))
 
 
+def test_column_major_activation_scales_give_the_same_result():
+    # vLLM's and DeepGEMM's layout: [M, Kb] with strides (1, ld), ld >= M
+    g = torch.Generator().manual_seed(6)
+    x = ref.random_matrix(5, 300, g)
+    a, a_s = fp8linear.quantize_activation(x)
+    col = torch.empty(a_s.shape[1], 8)[:, :5].copy_(a_s.t()).t()
+    assert col.stride() == (1, 8)
+    w, w_s = fp8linear.quantize_weight(ref.random_matrix(64, 300, g))
+    assert torch.equal(fp8linear.block_fp8_gemm(a, col, w, w_s),
+                       fp8linear.block_fp8_gemm(a, a_s, w, w_s))
+
+
 def test_empty_batch_gives_empty_output_without_a_launch(monkeypatch):
     from fp8linear.kernels import heuristics
 
@@ -166,6 +178,9 @@ GEMM_ERRORS = [
     ("s", lambda a, s, w, ws, b: s[:, :2].contiguous(),
      r"a_scale must have shape \(4, 3\), got \(4, 2\)"),
     ("s", lambda a, s, w, ws, b: s.half(), "a_scale must be torch.float32, got torch.float16"),
+    ("s", lambda a, s, w, ws, b: torch.ones(4, 6)[:, ::2],
+     r"a_scale must be row-major, or column-major \(strides \(1, ld\) with ld >= 4\), got "
+     r"strides \(6, 2\)"),
     ("a", lambda a, s, w, ws, b: a.to("meta"), r"a \(activations\) is on meta but the weight "
                                                r"is on cpu"),
     ("b", lambda a, s, w, ws, b: b[:100], r"bias must have shape \(200,\), got \(100,\)"),

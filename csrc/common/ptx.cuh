@@ -137,6 +137,18 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release;\n barrier.cluster.wait.acquire;" ::: "memory");
 }
 
+// Four floats at shared address `addr` of CTA `cta` of this cluster (distributed shared memory).
+__device__ __forceinline__ float4 ld_cluster_f4(uint32_t addr, uint32_t cta) {
+  float4 v;
+  asm volatile(
+      "{\n .reg .b32 ra;\n mapa.shared::cluster.u32 ra, %4, %5;\n"
+      " ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [ra];\n}"
+      : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+      : "r"(addr), "r"(cta)
+      : "memory");
+  return v;
+}
+
 // ------------------------------------------------------------------- programmatic launch
 // PDL: wait for the previous kernel's memory to be visible / let the next kernel start.
 __device__ __forceinline__ void pdl_wait() {

@@ -51,7 +51,7 @@ struct DecodeArgs {
   bool bias_f32;
   void* out;              // [M, N]
   int out_dtype;
-  float* workspace;       // fp32 [splits * tiles * BT * 128] when splits > 1
+  float* workspace;       // fp32 [splits * tiles * BT * 128] when splits > 1, not cluster
   int* counters;          // int32 [tiles], zero; the kernel leaves them zero again
   int M, N, K;
   int config;             // token tile BT = 8 << config (8..128)
@@ -59,6 +59,8 @@ struct DecodeArgs {
   int ctas_per_sm;        // 1, or 2 (token tiles <= 32): half the shared memory and registers,
                           // so the next kernel's CTAs fit beside ours under PDL
   bool pdl;               // programmatic dependent launch
+  bool cluster_reduce;    // 2..8 splits of a tile as one cluster, reduced in distributed
+                          // shared memory (no workspace, no counters)
 };
 std::string launch_decode(const DecodeArgs& args, cudaStream_t stream);
 

@@ -33,6 +33,11 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
     return "decode config does not fit in shared memory (token tile " + std::to_string(BT) +
            ", " + std::to_string(kbs) + " K blocks per split): use more splits";
   const int smem = decode_layout(BT, kbs, stages, kPerRow, fused).total + 1024;
+  if (d.cluster_reduce) {
+    if (d.splits < 2 || d.splits > 8) return "a cluster reduction takes 2..8 splits";
+    if (BT * kDecodeRows * 4 > stages * decode_layout(BT, kbs, stages, kPerRow, fused).stage)
+      return "the partial tile does not fit in the ring for a cluster reduction";
+  }
   CUtensorMap tw;
   std::string e = make_tensor_map_2d(&tw, d.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, d.N, d.K, d.K,
                                      kDecodeRows, kBlockK, CU_TENSOR_MAP_SWIZZLE_128B);
@@ -54,17 +59,26 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
   DecodeParams p{d.x,         d.x_dtype,  d.x_scale, d.xs_stride_m, d.xs_stride_kb,
                  d.w_scale,   d.bias,     d.bias_f32, d.out,     d.workspace,   d.counters,
                  d.M,         d.N,        d.K,       num_kb,        d.splits,
-                 stages};
+                 stages,      d.cluster_reduce ? 1 : 0};
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((d.N + kDecodeRows - 1) / kDecodeRows, (d.M + BT - 1) / BT, d.splits);
   cfg.blockDim = dim3(384);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  int n_attr = 0;
+  if (d.pdl) {
+    attr[n_attr].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n_attr++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (d.cluster_reduce) {  // the splits of a tile (grid z) as one cluster
+    attr[n_attr].id = cudaLaunchAttributeClusterDimension;
+    attr[n_attr].val.clusterDim.x = 1;
+    attr[n_attr].val.clusterDim.y = 1;
+    attr[n_attr++].val.clusterDim.z = d.splits;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = d.pdl ? 1 : 0;
+  cfg.numAttrs = n_attr;
   err = cudaLaunchKernelEx(&cfg, kernel, tw, tx, p);
   return err == cudaSuccess ? std::string() : std::string(cudaGetErrorString(err));
 }

@@ -10,8 +10,12 @@
 //   math warpgroups: quantize this CTA's activation slice (bf16 -> fp8 + per-token scales,
 //                    the numerics of fp8linear.quant.quantize_activation) into shared memory,
 //                    then per K block: 4 wgmmas, promotion with weight-row x token scales.
-// Reduction over splits is deterministic: every split writes its fp32 partial to a workspace;
-// the last CTA to arrive at the tile's counter sums the partials in split order.
+// Reduction over splits is deterministic, in split order, one of two ways:
+//  - cluster: the splits of a tile (<= 8) form one cluster; each leaves its fp32 partial in
+//    its own shared memory and every CTA sums a slice of the tile over the cluster's shared
+//    memory (DSMEM): two cluster barriers, no global round trips;
+//  - workspace: every split writes its partial to an fp32 workspace; the last CTA to arrive
+//    at the tile's counter sums them.
 #pragma once
 #include <cstdint>
 #include <cuda.h>
@@ -60,6 +64,7 @@ struct DecodeParams {
   float* workspace;
   int* counters;
   int M, N, K, num_kb, splits, stages;
+  int cluster_reduce;    // the splits of a tile are one cluster (along z): reduce in DSMEM
 };
 
 // Quantize one token's 128 channels (4 per lane, already loaded) into row t of a
@@ -144,6 +149,10 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
         }
       }
     }
+    if (p.cluster_reduce) {  // every thread of the cluster takes part in its barriers
+      cluster_sync();
+      cluster_sync();
+    }
     return;
   }
 
@@ -151,6 +160,17 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
   // (two CTAs an SM: 80 registers a thread suffice for token tiles <= 32, no reallocation)
   if constexpr (kCtasPerSM == 1) reg_alloc<232>();
   const int tid = threadIdx.x;  // 0..255
+  // the weight scales of this K range: not written by the previous kernel, so loaded before
+  // waiting for it
+  if constexpr (kPerRow) {
+    for (int e = tid; e < kbs * kDecodeRows; e += 256) {
+      const int i = e / kDecodeRows, r = e % kDecodeRows;
+      sWS[e] = n0 + r < p.N ? __ldg(p.w_scale + size_t(n0 + r) * p.num_kb + kb0 + i) : 0.f;
+    }
+  } else {
+    for (int i = tid; i < kbs; i += 256)
+      sWS[i] = __ldg(p.w_scale + size_t(n0 / kDecodeRows) * p.num_kb + kb0 + i);
+  }
   pdl_wait();                   // activations come from the previous kernel
   // fused: warp t owns token m0 + t (BT == 8 == math warps) and quantizes its raw row of each
   // stage into the stage's fp8 slot, one K block ahead of the tensor cores; padding tokens'
@@ -186,16 +206,6 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
       sXS[e] = m < p.M ? p.x_scale[size_t(m) * p.xs_stride_m + size_t(kb0 + i) * p.xs_stride_kb]
                        : 0.f;
     }
-  }
-  // and the weight scales of this K range
-  if constexpr (kPerRow) {
-    for (int e = tid; e < kbs * kDecodeRows; e += 256) {
-      const int i = e / kDecodeRows, r = e % kDecodeRows;
-      sWS[e] = n0 + r < p.N ? __ldg(p.w_scale + size_t(n0 + r) * p.num_kb + kb0 + i) : 0.f;
-    }
-  } else {
-    for (int i = tid; i < kbs; i += 256)
-      sWS[i] = __ldg(p.w_scale + size_t(n0 / kDecodeRows) * p.num_kb + kb0 + i);
   }
   fence_proxy_async_smem();  // the fp8 tiles are read by wgmma (async proxy)
   named_barrier(1, 256);
@@ -275,6 +285,58 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
     }
     return;
   }
+  // 4 consecutive weight rows (n, N % 8: all 4 or none) of token row c of the tile, reduced
+  auto store4 = [&](int e4, float4 sum) {
+    const int e = e4 * 4;
+    const int c = e / kDecodeRows, r = e % kDecodeRows;
+    const int m = m0 + c, n = n0 + r;
+    if (m >= p.M || n >= p.N) return;
+    float o[4] = {sum.x, sum.y, sum.z, sum.w};
+    if (bias != nullptr) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) o[q] += bias_at(n + q);
+    }
+    uint2 packed;
+    packed.x = OutTraits<OutT>::pack(o[0], o[1]);
+    packed.y = OutTraits<OutT>::pack(o[2], o[3]);
+    *reinterpret_cast<uint2*>(out + size_t(m) * p.N + n) = packed;
+  };
+  constexpr int kTile4 = BT * kDecodeRows / 4;  // float4s of a partial tile
+  if (p.cluster_reduce) {
+    // Both warpgroups' wgmmas have read their last stage: the ring holds the partial tile
+    // [BT tokens][128 rows] (the host checks that it fits).
+    named_barrier(1, 256);
+    float* mine = reinterpret_cast<float*>(smem);
+#pragma unroll
+    for (int j = 0; j < kRegs / 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        mine[(8 * j + cq + (e & 1)) * kDecodeRows + wg * 64 + r0 + (e >= 2 ? 8 : 0)] =
+            acc[4 * j + e];
+    }
+    cluster_sync();  // release / acquire: every split's partial is visible to the cluster
+    // CTA `split` (its rank: the cluster spans z) sums its slice over the splits in order
+    constexpr int kMaxSplits = 8;
+    const int per = (kTile4 + p.splits - 1) / p.splits;
+    const int hi = min(kTile4, (split + 1) * per);
+    const uint32_t base = smem_u32(mine);
+    for (int e4 = split * per + tid; e4 < hi; e4 += 256) {
+      float4 v[kMaxSplits];
+#pragma unroll
+      for (int s = 0; s < kMaxSplits; ++s)
+        if (s < p.splits) v[s] = ld_cluster_f4(base + e4 * 16, s);
+      float4 sum = v[0];
+#pragma unroll
+      for (int s = 1; s < kMaxSplits; ++s) {
+        if (s < p.splits) {
+          sum.x += v[s].x; sum.y += v[s].y; sum.z += v[s].z; sum.w += v[s].w;
+        }
+      }
+      store4(e4, sum);
+    }
+    cluster_sync();  // every CTA keeps its shared memory until the whole cluster has read it
+    return;
+  }
   const int tiles = gridDim.x * gridDim.y;
   const int tile = blockIdx.y * gridDim.x + blockIdx.x;
   // partial tile [BT tokens][128 rows] of this split
@@ -298,7 +360,6 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
   // in flight per thread: the partials sit in L2, and one round trip per element would add
   // microseconds to every decode step.
   constexpr int kUnroll = 2;
-  constexpr int kTile4 = BT * kDecodeRows / 4;
   const float4* parts = reinterpret_cast<const float4*>(p.workspace) + size_t(tile) * kTile4;
   const size_t split_stride4 = size_t(tiles) * kTile4;
   for (int base = tid; base < kTile4; base += 256 * kUnroll) {
@@ -325,21 +386,8 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
         }
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int e = (base + 256 * u) * 4;
-      const int c = e / kDecodeRows, r = e % kDecodeRows;  // 4 consecutive weight rows
-      const int m = m0 + c, n = n0 + r;
-      if (e >= BT * kDecodeRows || m >= p.M || n >= p.N) continue;  // N % 8: all 4 or none
-      float o[4] = {sum[u].x, sum[u].y, sum[u].z, sum[u].w};
-      if (bias != nullptr) {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) o[q] += bias_at(n + q);
-      }
-      uint2 packed;
-      packed.x = OutTraits<OutT>::pack(o[0], o[1]);
-      packed.y = OutTraits<OutT>::pack(o[2], o[3]);
-      *reinterpret_cast<uint2*>(out + size_t(m) * p.N + n) = packed;
-    }
+    for (int u = 0; u < kUnroll; ++u)
+      if (base + 256 * u < kTile4) store4(base + 256 * u, sum[u]);
   }
   if (tid == 0) p.counters[tile] = 0;  // ready for the next launch (and graph replay)
 }

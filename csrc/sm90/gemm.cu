@@ -71,8 +71,10 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   if (!(e = make_tensor_map_2d(&tb, g.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, g.N, g.K, g.K,
                                kShareA ? BN : BN / CLUSTER, kBlockK, sw128)).empty())
     return e;
+  // token columns past M read as zero (their A rows are zero too): the scales may be a view
+  // of a caller's tensor that ends at column M of its last row
   if (!(e = make_tensor_map_2d(&tsa, g.a_scale_t, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, num_kb,
-                               g.a_scale_ld, g.a_scale_ld, 1, BM,
+                               g.M, g.a_scale_ld, 1, BM,
                                CU_TENSOR_MAP_SWIZZLE_NONE)).empty())
     return e;
   const auto out_type = g.out_dtype == kOutBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16

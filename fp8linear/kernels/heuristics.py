@@ -127,6 +127,33 @@ def _decode_ctas_per_sm(bt: int, kbs: int) -> int:
     return 1
 
 
+_DECODE_CLUSTER = "FP8LINEAR_SM90_DECODE_CLUSTER"
+SM90_DECODE_CLUSTER_MAX_SPLITS = 8  # the portable cluster size
+
+
+def sm90_decode_cluster_reduce(config: int, splits: int, ctas_per_sm: int) -> bool:
+    """Reduce a decode tile's K splits inside one cluster, through distributed shared memory,
+    instead of through an fp32 workspace in L2?
+
+    The workspace reduction is a chain of global round trips at the end of every decode GEMM
+    (write the partial, fence, count, read the others' partials): ~1.5-2 us, a fifth of a
+    GEMM on 15-17 MB of weights. In a cluster the partials stay in shared memory: two
+    cluster barriers. Clusters must fit in one GPC (16-18 SMs on an H100): with two CTAs an
+    SM, clusters of up to 8 always find room; with one CTA an SM (long K ranges, where the
+    reduction is a small share) clusters of 3-8 would strand SMs at every GPC's edge and can
+    push part of the grid into a second wave, so those keep the workspace.
+    FP8LINEAR_SM90_DECODE_CLUSTER=0 turns it off, =1 uses it wherever it can run.
+    """
+    v = os.environ.get(_DECODE_CLUSTER)
+    if v not in (None, "", "0", "1"):
+        raise ValueError(f"{_DECODE_CLUSTER}={v!r}: expected 0 or 1")
+    can = (2 <= splits <= SM90_DECODE_CLUSTER_MAX_SPLITS
+           and SM90_DECODE_TILES[config] <= SM90_DECODE_TWO_PER_SM_MAX_BT)
+    if v == "0" or not can:
+        return False
+    return v == "1" or ctas_per_sm == 2
+
+
 def sm90_fuse_quant(m: int, k: int, plan) -> bool:
     """Quantize bf16/fp16 activations inside the decode kernel of ``plan`` (sm90_plan's)?
 

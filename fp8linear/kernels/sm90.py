@@ -95,12 +95,14 @@ def _decode(x, x_scale, w, w_scale, bias, out, config, splits, ctas_per_sm):
     per_row = has_row_scales(w_scale, n)
     bt, rows = heuristics.SM90_DECODE_TILES[config], heuristics.SM90_DECODE_ROWS
     tiles = cdiv(n, rows) * cdiv(m, bt)
-    if splits > 1:
+    cluster = heuristics.sm90_decode_cluster_reduce(config, splits, ctas_per_sm)
+    if splits > 1 and not cluster:
         ws = torch.empty(splits * tiles * bt * rows, dtype=torch.float32, device=x.device)
     else:
         ws = torch.empty(0, dtype=torch.float32, device=x.device)
     build.load().decode(x, x_scale, w, w_scale, per_row, _bias(bias, out), out, ws,
-                        _tile_counters(x.device, tiles), config, splits, ctas_per_sm, _pdl())
+                        _tile_counters(x.device, tiles), config, splits, ctas_per_sm, _pdl(),
+                        cluster)
 
 
 def _gemm(a, a_scale_t, w, w_scale, bias, out, config):
@@ -110,7 +112,14 @@ def _gemm(a, a_scale_t, w, w_scale, bias, out, config):
 
 
 def _scale_t(a_scale, m):
-    # The GEMM's TMA reads per-K-block token scales: [Kb, M rounded up to 4] (16-byte rows).
+    # The GEMM's TMA reads per-K-block token scales as [Kb, M] rows of stride ld, ld a multiple
+    # of 4 (16-byte rows). Column-major scales with such an ld (our quant kernel's, vLLM's,
+    # DeepGEMM's layout) are read in place; row-major ones cost a transposing copy, a second
+    # kernel on the GEMM's critical path (~2 us at M = 128-512).
+    st = a_scale.t()
+    if (a_scale.stride(0) == 1 and st.stride(0) % 4 == 0 and st.stride(0) >= m
+            and st.data_ptr() % 16 == 0):
+        return st
     ld = cdiv(m, 4) * 4
     t = torch.empty(a_scale.shape[1], ld, dtype=torch.float32, device=a_scale.device)
     t[:, :m].copy_(a_scale.t())

@@ -319,6 +319,7 @@ def linear(x, w, w_scale, bias, out, config: Optional[Config] = None) -> None:
 
 
 def _gemm(a, a_scale, w, w_scale, bias, out, config):
+    a_scale = a_scale.contiguous()  # the kernel indexes row-major [M, Kb] scales
     if mode(a.device) == "weight_only":
         # no fp8 tensor cores assumed: both operands are decoded to fp16 in the kernel
         _launch(a.view(torch.uint8), a_scale, w.view(torch.uint8), w_scale, bias, out,

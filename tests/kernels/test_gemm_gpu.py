@@ -267,6 +267,17 @@ def assert_close(out, ref, mag, what, bias=None, elementwise=True):
             f"{float(ref[i, j]):.6g}, tolerance {float(tol[i, j]):.3g}")
 
 
+def _column_major(a_s):
+    """[M, Kb] scales as a view with strides (1, ld), ld = M rounded up to 4, whose storage
+    ends right after token M of the last K block (nothing past it to read)."""
+    m, kb = a_s.shape
+    ld = -(-m // 4) * 4
+    flat = torch.full(((kb - 1) * ld + m,), float("nan"), device=a_s.device)
+    view = flat.as_strided((m, kb), (1, ld))
+    view.copy_(a_s)
+    return view
+
+
 def _poisoned(m, n, dtype):
     return torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
 
@@ -352,6 +363,12 @@ def _check_case(case: dict, what: str, linear: bool = True) -> None:
     assert res is out
     torch.cuda.synchronize()
     assert_close(out, ref, mag, what + " block_fp8_gemm", bias=bias)
+    # the same scales column-major (vLLM's and DeepGEMM's layout, read in place by the sm90
+    # GEMM) in a storage that ends at token M of the last K block: the same bits
+    out_cm = _poisoned(m, n, dt)
+    fp8linear.block_fp8_gemm(a, _column_major(a_s), wq, ws, out_dtype=dt, out=out_cm, bias=bias)
+    torch.cuda.synchronize()
+    assert torch.equal(out_cm, out), what + " block_fp8_gemm with column-major scales differs"
     if not linear:
         return
     _poison_pool(m, n, dt)
@@ -420,20 +437,26 @@ def test_sm90_bias_view_at_odd_offset(m, bias_dtype, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cluster", ["0", "1"])
 @pytest.mark.parametrize("ctas", [1, 2])
-def test_sm90_decode_ctas_per_sm(ctas, monkeypatch):
+def test_sm90_decode_ctas_per_sm(ctas, cluster, monkeypatch):
     """Both decode kernel variants (one CTA an SM with the whole register file, or two with
-    half the shared memory each), forced through FP8LINEAR_SM90_DECODE_CTAS, M 1..32."""
+    half the shared memory each), forced through FP8LINEAR_SM90_DECODE_CTAS, M 1..32, with
+    the split reduction through the workspace or (2..8 splits) in a cluster's shared memory."""
     _select("sm90", monkeypatch)
     monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CTAS", str(ctas))
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CLUSTER", cluster)
     # (K <= 8192: longer K ranges per CTA keep one CTA an SM, see _decode_ctas_per_sm)
     cases = [c for c in _sm90_only(gen_cases("sm90", count=400, seed=200))
              if c["m"] <= 32 and c["k"] <= 8192][:30]
+    clustered = 0
     for case in cases:
         m, n, k = case["m"], case["n"], case["k"]
         plan = heuristics.sm90_plan(m, n, k, 132)
         assert plan[0] == "decode" and plan[3] == ctas, plan
-        _check_case(case, f"sm90 decode ctas={ctas} {_case_id(case)}")
+        clustered += heuristics.sm90_decode_cluster_reduce(*plan[1:])
+        _check_case(case, f"sm90 decode ctas={ctas} cluster={cluster} {_case_id(case)}")
+    assert (clustered > 0) == (cluster == "1"), clustered
 
 
 @pytest.mark.gpu

@@ -62,6 +62,29 @@ def test_decode_ctas_forced(monkeypatch):
         h.sm90_plan(1, 4096, 4096, SMS)
 
 
+@pytest.mark.parametrize("m,n,k,cluster", [
+    (1, 4096, 4096, True),          # 4 splits, two CTAs an SM
+    (1, 2112, 7168, True),          # 7 splits
+    (16, 7168, 2048, True),         # 2 splits, 16-token tiles
+    (1, 7168, 16384, False),        # one CTA an SM: clusters would strand SMs per GPC
+    (1, 24576, 1536, False),        # one split: nothing to reduce
+    (1, 256, 4096, False),          # 32 splits: more than a cluster holds
+    (64, 2112, 7168, False),        # 64-token tiles: one CTA an SM
+])
+def test_decode_cluster_reduce(m, n, k, cluster, monkeypatch):
+    plan = h.sm90_plan(m, n, k, SMS)
+    assert plan[0] == "decode"
+    assert h.sm90_decode_cluster_reduce(*plan[1:]) is cluster
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CLUSTER", "0")
+    assert h.sm90_decode_cluster_reduce(*plan[1:]) is False
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CLUSTER", "1")
+    # forced on wherever a cluster can hold the splits (2..8) and the tile is <= 32 tokens
+    assert h.sm90_decode_cluster_reduce(*plan[1:]) is (2 <= plan[2] <= 8 and plan[1] <= 2)
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CLUSTER", "yes")
+    with pytest.raises(ValueError, match="FP8LINEAR_SM90_DECODE_CLUSTER='yes'"):
+        h.sm90_decode_cluster_reduce(*plan[1:])
+
+
 @pytest.mark.parametrize("m,kbs,fused", [(1, 8, True), (8, 8, True), (8, 9, False),
                                          (1, 64, False), (9, 1, False)])
 def test_fuse_quant_only_short_k_ranges(m, kbs, fused):
