@@ -222,7 +222,9 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
       for (int u = first_unit; u < num_units; u += unit_stride) {
         int um, un;
         tile_coords(u, num_um, num_un, um, un);
-        const int nb = kShareA ? un * CLUSTER + rank : un;  // (past N: scales unused)
+        // a tile past N (odd tile count) reads, and ignores, the last valid tile's scales:
+        // never a row of w_scale past its end
+        const int nb = kShareA ? min(un * CLUSTER + rank, num_n - 1) : un;
         const int blk = nb * BN / 128;  // the tile's first 128-row block (and blk + 1)
         for (int kb0 = 0; kb0 < p.num_kb; kb0 += 32) {
           float lo = 0.f, hi = 0.f;

@@ -129,6 +129,7 @@ def _decode_ctas_per_sm(bt: int, kbs: int) -> int:
 
 _DECODE_CLUSTER = "FP8LINEAR_SM90_DECODE_CLUSTER"
 SM90_DECODE_CLUSTER_MAX_SPLITS = 8  # the portable cluster size
+SM90_DECODE_CLUSTER_DEFAULT_SPLITS = 2
 
 
 def sm90_decode_cluster_reduce(config: int, splits: int, ctas_per_sm: int) -> bool:
@@ -136,13 +137,17 @@ def sm90_decode_cluster_reduce(config: int, splits: int, ctas_per_sm: int) -> bo
     instead of through an fp32 workspace in L2?
 
     The workspace reduction is a chain of global round trips at the end of every decode GEMM
-    (write the partial, fence, count, read the others' partials): ~1.5-2 us, a fifth of a
-    GEMM on 15-17 MB of weights. In a cluster the partials stay in shared memory: two
-    cluster barriers. Clusters must fit in one GPC (16-18 SMs on an H100): with two CTAs an
-    SM, clusters of up to 8 always find room; with one CTA an SM (long K ranges, where the
-    reduction is a small share) clusters of 3-8 would strand SMs at every GPC's edge and can
-    push part of the grid into a second wave, so those keep the workspace.
-    FP8LINEAR_SM90_DECODE_CLUSTER=0 turns it off, =1 uses it wherever it can run.
+    (write the partial, fence, count, read the others' partials). In a cluster the partials
+    stay in shared memory: two cluster barriers. But a cluster launch costs time too, and
+    only PDL hides it. Measured (H100, results/2026-11-23_decode_cluster_ab_h100.log, M=1-16):
+    back to back under PDL the cluster is 0.4-0.9 us faster at 2-7 splits; after an ordinary
+    kernel (an elementwise op between GEMMs, as in a model) it is 0.35-0.65 us faster at 2
+    splits (7168x2048, 6144x4096) but 0.3-1.2 us slower at 4-7 (4096^2, 2112x7168, 4096x7168).
+    Hence pairs only. Clusters must also fit in one GPC (16-18 SMs): with one CTA an SM
+    (long K ranges, where the reduction is a small share) they could strand SMs at each GPC's
+    edge, so those keep the workspace. (The 'spread' cluster scheduling policy changed
+    nothing.) FP8LINEAR_SM90_DECODE_CLUSTER=0 turns it off, =1 uses it wherever it can run
+    (2..8 splits, token tiles <= 32).
     """
     v = os.environ.get(_DECODE_CLUSTER)
     if v not in (None, "", "0", "1"):
@@ -151,7 +156,7 @@ def sm90_decode_cluster_reduce(config: int, splits: int, ctas_per_sm: int) -> bo
            and SM90_DECODE_TILES[config] <= SM90_DECODE_TWO_PER_SM_MAX_BT)
     if v == "0" or not can:
         return False
-    return v == "1" or ctas_per_sm == 2
+    return v == "1" or (ctas_per_sm == 2 and splits <= SM90_DECODE_CLUSTER_DEFAULT_SPLITS)
 
 
 def sm90_fuse_quant(m: int, k: int, plan) -> bool:

@@ -63,9 +63,10 @@ def test_decode_ctas_forced(monkeypatch):
 
 
 @pytest.mark.parametrize("m,n,k,cluster", [
-    (1, 4096, 4096, True),          # 4 splits, two CTAs an SM
-    (1, 2112, 7168, True),          # 7 splits
-    (16, 7168, 2048, True),         # 2 splits, 16-token tiles
+    (1, 4096, 4096, False),         # 4 splits: the cluster launch costs more than it saves
+    (1, 2112, 7168, False),         # 7 splits
+    (16, 7168, 2048, True),         # 2 splits, 16-token tiles, two CTAs an SM
+    (1, 6144, 4096, True),
     (1, 7168, 16384, False),        # one CTA an SM: clusters would strand SMs per GPC
     (1, 24576, 1536, False),        # one split: nothing to reduce
     (1, 256, 4096, False),          # 32 splits: more than a cluster holds
