@@ -14,7 +14,7 @@ constexpr int kMaxStages = 8;       // 8 x 16 KB of weights in flight per SM sat
 
 int pick_stages(int bt, int kbs, bool per_row, bool fused, int limit) {
   const DecodeLayout none = decode_layout(bt, kbs, 0, per_row, fused);
-  // bytes one more stage costs: its ring slot, (fused) its fp8 slot and its two barriers
+  // bytes one more stage costs: its ring slot and its two barriers
   const int per_stage = decode_layout(bt, kbs, 1, per_row, fused).total - none.total + 16;
   int stages = (limit - none.total - 1024) / per_stage;
   stages = stages < kMaxStages ? stages : kMaxStages;
@@ -27,7 +27,6 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
   const int num_kb = (d.K + kBlockK - 1) / kBlockK;
   const int kbs = (num_kb + d.splits - 1) / d.splits;
   const bool fused = d.x_dtype != kInFP8;
-  if (fused && BT != 8) return "fused activation quantization needs the 8-token tile (M <= 8)";
   const int stages = pick_stages(BT, kbs, kPerRow, fused, kSmemLimit);
   if (stages < 1 || decode_layout(BT, kbs, stages, kPerRow, fused).total + 1024 > kSmemLimit)
     return "decode config does not fit in shared memory (token tile " + std::to_string(BT) +
@@ -42,17 +41,12 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
   std::string e = make_tensor_map_2d(&tw, d.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, d.N, d.K, d.K,
                                      kDecodeRows, kBlockK, CU_TENSOR_MAP_SWIZZLE_128B);
   if (!e.empty()) return e;
-  // activations: fp8 tiles swizzled for wgmma, or raw 16-bit rows for in-kernel quantization
-  CUtensorMap tx;
-  if (d.x_dtype == kInFP8)
-    e = make_tensor_map_2d(&tx, d.x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, d.M, d.K, d.K, BT, kBlockK,
-                           CU_TENSOR_MAP_SWIZZLE_128B);
-  else
-    e = make_tensor_map_2d(&tx, d.x,
-                           d.x_dtype == kInFP16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                                : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                           2, d.M, d.K, d.K, BT, kBlockK, CU_TENSOR_MAP_SWIZZLE_NONE);
-  if (!e.empty()) return e;
+  // fp8 activations: tiles swizzled for wgmma (fused, the kernel reads the 16-bit rows itself)
+  CUtensorMap tx{};
+  if (!fused &&
+      !(e = make_tensor_map_2d(&tx, d.x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, d.M, d.K, d.K, BT,
+                               kBlockK, CU_TENSOR_MAP_SWIZZLE_128B)).empty())
+    return e;
   constexpr auto kernel = fp8_decode_kernel<BT, kPerRow, OutT, kCtasPerSM>;
   cudaError_t err = ensure_smem_limit<kernel>(smem);
   if (err != cudaSuccess) return cudaGetErrorString(err);

@@ -7,9 +7,11 @@
 //   producer warp:   TMA of 128x128 weight tiles into a `stages`-deep ring (evict-first: read
 //                    once), started before griddepcontrol.wait so it overlaps the previous
 //                    kernel's tail under programmatic dependent launch;
-//   math warpgroups: quantize this CTA's activation slice (bf16 -> fp8 + per-token scales,
-//                    the numerics of fp8linear.quant.quantize_activation) into shared memory,
-//                    then per K block: 4 wgmmas, promotion with weight-row x token scales.
+//   math warpgroups: (fused) quantize this CTA's whole activation slice, bf16 -> fp8 + per-token
+//                    scales (the numerics of fp8linear.quant.quantize_activation), into a
+//                    resident shared-memory tile per K block, all 8 warps at once while the
+//                    weight ring fills; then per K block: 4 wgmmas, promotion with weight-row
+//                    x token scales.
 // Reduction over splits is deterministic, in split order, one of two ways:
 //  - cluster: the splits of a tile (<= 8) form one cluster; each leaves its fp32 partial in
 //    its own shared memory and every CTA sums a slice of the tile over the cluster's shared
@@ -35,15 +37,15 @@ struct DecodeLayout {
   int stage, x, xs, ws, bar, flag, total;
 };
 // Shared-memory layout (bytes from a 1024-aligned base); host and device agree on it.
-// Each ring stage carries its K block's weight tile and then its activation tile: fp8
-// (swizzled, read by wgmma) or, when fused, the raw bf16/fp16 rows that the math warps
-// quantize into a ring of fp8 slots [stages][BT x 128].
+// Each ring stage carries its K block's weight tile and (fp8 input) its activation tile,
+// swizzled for wgmma; fused, the quantized activations stay resident after the ring, one
+// [BT x 128] fp8 tile per K block of the CTA's range.
 __host__ __device__ inline DecodeLayout decode_layout(int bt, int kbs, int stages, bool per_row,
                                                       bool fused) {
   DecodeLayout l;
-  l.stage = kDecodeWTile + bt * kBlockK * (fused ? 2 : 1);  // multiples of 1024 (bt >= 8)
+  l.stage = kDecodeWTile + (fused ? 0 : bt * kBlockK);  // multiples of 1024 (bt >= 8)
   l.x = stages * l.stage;
-  l.xs = l.x + (fused ? stages * bt * kBlockK : 0);
+  l.xs = l.x + (fused ? kbs * bt * kBlockK : 0);
   l.ws = l.xs + kbs * bt * 4;            // per-token scales [kbs][BT]
   l.bar = l.ws + kbs * (per_row ? kDecodeRows : 1) * 4;
   l.bar = (l.bar + 7) & ~7;
@@ -67,19 +69,6 @@ struct DecodeParams {
   int cluster_reduce;    // the splits of a tile are one cluster (along z): reduce in DSMEM
 };
 
-// Quantize one token's 128 channels (4 per lane, already loaded) into row t of a
-// 128B-swizzled K-major tile (16-byte chunk c of row t lands at chunk c ^ (t % 8)) and its scale.
-__device__ __forceinline__ void quantize_row(const float v[4], uint8_t* tile, float* scale_dst,
-                                             int t, int lane) {
-  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-  amax = warp_max(amax);
-  const float scale = fmaxf(amax, kAmaxEps) / kFp8Max;
-  const uint32_t packed = quantize4(v, scale);
-  *reinterpret_cast<uint32_t*>(tile + t * kBlockK + (((lane / 4) ^ (t % 8)) * 16) +
-                               (lane % 4) * 4) = packed;
-  if (lane == 0) *scale_dst = scale;
-}
-
 template <int BT, bool kPerRow, typename OutT, int kCtasPerSM>
 __global__ void __launch_bounds__(384, kCtasPerSM)
     fp8_decode_kernel(const __grid_constant__ CUtensorMap tmap_w,
@@ -94,11 +83,11 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
   const int split = blockIdx.z;
   const int kb0 = split * base + min(split, rem);
   const int kbs = base + (split < rem ? 1 : 0);
-  const bool fused = p.x_dtype != kInFP8;  // host guarantees BT == 8 then
+  const bool fused = p.x_dtype != kInFP8;
   const DecodeLayout L =
       decode_layout(BT, (p.num_kb + p.splits - 1) / p.splits, p.stages, kPerRow, fused);
   uint8_t* sW = smem;            // stage s at sW + s * L.stage: weights, then (fp8) activations
-  uint8_t* sX = smem + L.x;      // fused: resident quantized tiles
+  uint8_t* sX = smem + L.x;      // fused: resident quantized tiles, K block i at i * BT * 128
   float* sXS = reinterpret_cast<float*>(smem + L.xs);
   float* sWS = reinterpret_cast<float*>(smem + L.ws);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L.bar);
@@ -118,7 +107,7 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
     }
     fence_barrier_init();
     tma_prefetch_desc(&tmap_w);
-    tma_prefetch_desc(&tmap_x);
+    if (!fused) tma_prefetch_desc(&tmap_x);  // (unset when fused)
   }
   __syncthreads();
 
@@ -136,6 +125,7 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
         mbar_wait(&empty[s], ((i / p.stages) & 1) ^ 1);
         mbar_arrive_expect_tx(&full[s], bytes);
         tma_load_2d(sW + s * L.stage, &tmap_w, &full[s], (kb0 + i) * kBlockK, n0, once);
+        if (fused) continue;  // the math warps read and quantize the activations themselves
         if (i == first - 1) {
           // The first stages' weights are on their way; the activations were written by the
           // previous kernel, so wait for it before loading them (rows past M read as zero).
@@ -172,32 +162,62 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
       sWS[i] = __ldg(p.w_scale + size_t(n0 / kDecodeRows) * p.num_kb + kb0 + i);
   }
   pdl_wait();                   // activations come from the previous kernel
-  // fused: warp t owns token m0 + t (BT == 8 == math warps) and quantizes its raw row of each
-  // stage into the stage's fp8 slot, one K block ahead of the tensor cores; padding tokens'
-  // rows stay zero.
-  const bool live = fused && m0 + warp < p.M;
-  auto quantize_stage = [&](int i) {  // K block i (its stage has landed)
-    const int st = i % p.stages;
-    const uint8_t* raw = sW + st * L.stage + kDecodeWTile + warp * kBlockK * 2 + lane * 8;
-    const uint2 bits = *reinterpret_cast<const uint2*>(raw);
-    float v[4];
-    if (p.x_dtype == kInFP16) {
-      const __half* h = reinterpret_cast<const __half*>(&bits);
-      for (int q = 0; q < 4; ++q) v[q] = to_f(h[q]);
-    } else {
-      const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&bits);
-      for (int q = 0; q < 4; ++q) v[q] = to_f(h[q]);
-    }
-    quantize_row(v, sX + st * BT * kBlockK, sXS + i * BT + warp, warp, lane);
-  };
   if (fused) {
-    if (live) {
-      mbar_wait(&full[0], 0);
-      quantize_stage(0);
-    } else {
-      for (int st = 0; st < p.stages; ++st)
-        *reinterpret_cast<uint32_t*>(sX + st * BT * kBlockK + warp * kBlockK + lane * 4) = 0u;
-      for (int i = lane; i < kbs; i += 32) sXS[i * BT + warp] = 0.f;
+    // The CTA's activation slice, quantized once into resident tiles while the producer fills
+    // the weight ring: (token, K block) groups of 128 channels spread over the 8 warps, a lane
+    // 4 channels, kLoads groups' loads in flight per warp (one L2 round trip for <= 8 groups a
+    // warp). Padding tokens' rows and scales are zero.
+    const int live = min(BT, p.M - m0);
+    for (int e = tid; e < (BT - live) * kbs * 8; e += 256) {  // 16-byte chunks of padding rows
+      const int row = e / 8, t = live + row % (BT - live), i = row / (BT - live);
+      *reinterpret_cast<uint4*>(sX + (i * BT + t) * kBlockK + (e % 8) * 16) = make_uint4(0, 0, 0, 0);
+    }
+    for (int e = tid; e < (BT - live) * kbs; e += 256)
+      sXS[(e / (BT - live)) * BT + live + e % (BT - live)] = 0.f;
+    const uint16_t* xr = static_cast<const uint16_t*>(p.x);
+    const int groups = live * kbs;
+    constexpr int kLoads = 8;
+    for (int g0 = warp; g0 < groups; g0 += 8 * kLoads) {  // warp-uniform
+      uint2 bits[kLoads];
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const int g = g0 + 8 * u, t = g / kbs, k = (kb0 + g % kbs) * kBlockK + lane * 4;
+        bits[u] = make_uint2(0, 0);  // channels past K (K % 16 == 0: a lane's 4 are in or out)
+        if (g < groups && k < p.K)
+          bits[u] = *reinterpret_cast<const uint2*>(xr + size_t(m0 + t) * p.K + k);
+      }
+      // The quant kernel's steps (quant.cuh: amax over the warp, scale = amax / 448, x / scale
+      // rounded to e4m3) for the kLoads groups side by side, so that their warp reductions
+      // overlap instead of running one after another (a shuffle is ~30 cycles). Row t of a
+      // K block's [BT x 128] tile, 128B-swizzled like a TMA box: chunk c at c ^ (t % 8).
+      float v[kLoads][4], amax[kLoads];
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        if (p.x_dtype == kInFP16) {
+          const __half* h = reinterpret_cast<const __half*>(&bits[u]);
+          for (int q = 0; q < 4; ++q) v[u][q] = to_f(h[q]);
+        } else {
+          const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&bits[u]);
+          for (int q = 0; q < 4; ++q) v[u][q] = to_f(h[q]);
+        }
+        amax[u] = fmaxf(fmaxf(fabsf(v[u][0]), fabsf(v[u][1])), fmaxf(fabsf(v[u][2]), fabsf(v[u][3])));
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int u = 0; u < kLoads; ++u)
+          amax[u] = fmaxf(amax[u], __shfl_xor_sync(0xffffffffu, amax[u], o));
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const int g = g0 + 8 * u, t = g / kbs, i = g % kbs;
+        if (g < groups) {
+          const float scale = fmaxf(amax[u], kAmaxEps) / kFp8Max;
+          *reinterpret_cast<uint32_t*>(sX + (i * BT + t) * kBlockK +
+                                       (((lane / 4) ^ (t % 8)) * 16) + (lane % 4) * 4) =
+              quantize4(v[u], scale);
+          if (lane == 0) sXS[i * BT + t] = scale;
+        }
+      }
     }
   } else {
     // the tiles come by TMA with the weights; the scales here
@@ -223,7 +243,7 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
     const int s = i % p.stages;
     mbar_wait(&full[s], (i / p.stages) & 1);
     const uint64_t da = make_smem_desc_sw128(sW + s * L.stage + wg * 64 * kBlockK);
-    const uint64_t db = make_smem_desc_sw128(fused ? sX + s * BT * kBlockK
+    const uint64_t db = make_smem_desc_sw128(fused ? sX + i * BT * kBlockK
                                                    : sW + s * L.stage + kDecodeWTile);
 #pragma unroll
     for (int r = 0; r < kRegs; ++r) fence_operand(part[r]);
@@ -231,11 +251,6 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
 #pragma unroll
     for (int kk = 0; kk < kBlockK / 32; ++kk) Mma::mma(part, da + 2 * kk, db + 2 * kk, kk > 0);
     wgmma_commit();
-    if (live && i + 1 < kbs) {
-      // while the tensor cores run block i: quantize block i+1 (a different slot: stages >= 2)
-      mbar_wait(&full[(i + 1) % p.stages], ((i + 1) / p.stages) & 1);
-      quantize_stage(i + 1);
-    }
     wgmma_wait<0>();
 #pragma unroll
     for (int r = 0; r < kRegs; ++r) fence_operand(part[r]);
@@ -256,11 +271,6 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
       acc[4 * j + 1] = fmaf(part[4 * j + 1], w0 * x1, acc[4 * j + 1]);
       acc[4 * j + 2] = fmaf(part[4 * j + 2], w1 * x0, acc[4 * j + 2]);
       acc[4 * j + 3] = fmaf(part[4 * j + 3], w1 * x1, acc[4 * j + 3]);
-    }
-    if (fused && i + 1 < kbs) {
-      // slot i+1 and its scale (ordinary stores) must be complete before its wgmma
-      fence_proxy_async_smem();
-      named_barrier(1, 256);
     }
   }
 

@@ -92,10 +92,13 @@ def sm90_shape_ok(n: int, k: int) -> bool:
 SM90_DECODE_TILES = (8, 16, 32, 64, 128)  # token tile of decode config i = 8 << i
 SM90_DECODE_MAX_M = 64
 SM90_DECODE_ROWS = 128                     # weight rows per decode CTA
-# The decode kernel fuses quantization only in its smallest token tile (one math warp per
-# token) and for short K ranges per CTA (see sm90_fuse_quant).
-SM90_FUSE_QUANT_MAX_M = SM90_DECODE_TILES[0]
-SM90_FUSE_QUANT_MAX_KBS = 8
+# The decode kernel quantizes the activations itself for up to 16 tokens and short enough
+# slices (see sm90_fuse_quant).
+SM90_FUSE_QUANT_MAX_M = SM90_DECODE_TILES[1]
+SM90_FUSE_QUANT_MAX_GROUPS = 48
+_FUSE_QUANT = "FP8LINEAR_SM90_FUSE_QUANT"
+# dynamic shared memory of a decode CTA by CTAs an SM (csrc/sm90/decode.cu: smem_limit)
+SM90_DECODE_SMEM = {1: 232448, 2: 115712}
 
 
 SM90_DECODE_TWO_PER_SM_MAX_BT = 32
@@ -162,18 +165,32 @@ def sm90_decode_cluster_reduce(config: int, splits: int, ctas_per_sm: int) -> bo
 def sm90_fuse_quant(m: int, k: int, plan) -> bool:
     """Quantize bf16/fp16 activations inside the decode kernel of ``plan`` (sm90_plan's)?
 
-    Fusing saves the quantization launch, but every CTA re-quantizes its activation slice
-    (once per 128 weight rows), one math warp per token, one K block ahead of the tensor
-    cores, with a block-wide barrier per K block. Measured on the H100 (bench_gemm --decode,
-    fp8_linear vs block_fp8_gemm): +0.3-0.5 us over the fp8-input GEMM for K ranges of <= 8
-    blocks, but +5 us at 14-16 blocks and +8-45 us on the 117 MB weights (128+ blocks),
-    where the separate quant kernel (overlapped with the GEMM's weight stream by PDL) costs
-    less; above M=8 (two tokens a warp) the fused kernel was never faster.
+    Fused, each CTA quantizes its own activation slice (M tokens x its K range, re-done once
+    per 128 weight rows) into resident shared memory right after griddepcontrol.wait, all 8
+    math warps at once, while its weight ring is already filling; unfused, a separate quant
+    kernel runs first (~1-4 us on the step's critical path; PDL overlaps only its launch).
+    The prologue is not free: it delays the first wgmma by the slice's load and quantization,
+    while the quant kernel's time overlaps the GEMM's weight stream under PDL. Measured (H100,
+    results/2026-11-23_decode_fused_quant_v2_h100.log, fp8_linear, back to back / after an
+    elementwise kernel), by groups of 128 channels a CTA (tokens x K blocks): <= 48 groups,
+    or M <= 8 over <= 8 K blocks, fused is 0.1-2.4 us faster (M = 1 on 4096x14336 and
+    28672x4096: -2.4 / -0.9 us); from 56 groups it is 0.1-12 us slower. And the resident fp8
+    slice must leave most of the shared memory to the weight ring (<= a quarter of the CTA's).
+    (Session 2's fused kernel quantized one K block ahead of the tensor cores, one warp per
+    token with a block barrier per K block: +5 us at 14-16 blocks a CTA, so it was limited
+    to <= 8 blocks and M <= 8.) FP8LINEAR_SM90_FUSE_QUANT=0 never fuses (=1: wherever the
+    slice fits).
     """
-    if plan[0] != "decode" or m > SM90_FUSE_QUANT_MAX_M:
+    v = os.environ.get(_FUSE_QUANT)
+    if v not in (None, "", "0", "1"):
+        raise ValueError(f"{_FUSE_QUANT}={v!r}: expected 0 or 1")
+    if plan[0] != "decode" or m > SM90_FUSE_QUANT_MAX_M or v == "0":
         return False
-    kbs = cdiv(cdiv(k, BLOCK), plan[2])  # K blocks a CTA
-    return kbs <= SM90_FUSE_QUANT_MAX_KBS
+    _, config, splits, ctas = plan
+    kbs = cdiv(cdiv(k, BLOCK), splits)  # K blocks a CTA
+    if kbs * SM90_DECODE_TILES[config] * BLOCK > SM90_DECODE_SMEM[ctas] // 4:
+        return False
+    return v == "1" or m * kbs <= SM90_FUSE_QUANT_MAX_GROUPS or (m <= 8 and kbs <= 8)
 
 
 # The large-M kernel's tile configurations, index = config id; mirrors kConfigs in

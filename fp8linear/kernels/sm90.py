@@ -2,7 +2,7 @@
 
 Two kernels sit behind the backend protocol, chosen by heuristics.sm90_plan:
 - decode (M <= 64): swap-AB, split-K; activation quantization fused into the launch up to
-  M = 8 with short K ranges per CTA (heuristics.sm90_fuse_quant), else a separate
+  M = 16 where each CTA's slice is small (heuristics.sm90_fuse_quant), else a separate
   quantization kernel first (it lets the GEMM start early under PDL);
 - large M: quantization kernel, then the persistent TMA/wgmma GEMM.
 Python here only reshapes metadata and allocates outputs/workspaces from the torch allocator

@@ -460,6 +460,25 @@ def test_sm90_decode_ctas_per_sm(ctas, cluster, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fuse", ["0", "1"])
+def test_sm90_decode_fused_quantization(fuse, monkeypatch):
+    """fp8_linear at M <= 16 with the activation quantization inside the decode kernel
+    wherever the slice fits (FP8LINEAR_SM90_FUSE_QUANT=1: also M = 9-16 and long K ranges),
+    or never (=0: the separate quant kernel); bf16 and fp16 inputs, tails in K."""
+    _select("sm90", monkeypatch)
+    monkeypatch.setenv("FP8LINEAR_SM90_FUSE_QUANT", fuse)
+    cases = [c for c in _sm90_only(gen_cases("sm90", count=600, seed=400))
+             if c["m"] <= 16][:24]
+    fused = 0
+    for case in cases:
+        m, n, k = case["m"], case["n"], case["k"]
+        plan = heuristics.sm90_plan(m, n, k, 132)
+        fused += heuristics.sm90_fuse_quant(m, k, plan)
+        _check_case(case, f"sm90 fuse={fuse} {_case_id(case)}")
+    assert (fused > 0) == (fuse == "1"), fused
+
+
+@pytest.mark.gpu
 def test_sm90_decode_kernel_up_to_256_tokens(monkeypatch):
     """FP8LINEAR_SM90_DECODE_MAX_M=256 runs the split-K decode kernel at 65..256 tokens with
     128-token tiles (one or two per weight-row tile), both weight-scale granularities."""

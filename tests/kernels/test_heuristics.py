@@ -86,12 +86,32 @@ def test_decode_cluster_reduce(m, n, k, cluster, monkeypatch):
         h.sm90_decode_cluster_reduce(*plan[1:])
 
 
-@pytest.mark.parametrize("m,kbs,fused", [(1, 8, True), (8, 8, True), (8, 9, False),
-                                         (1, 64, False), (9, 1, False)])
-def test_fuse_quant_only_short_k_ranges(m, kbs, fused):
-    # a decode plan of 2 splits over 2 * kbs K blocks: kbs K blocks a CTA
-    assert h.sm90_fuse_quant(m, 2 * kbs * 128, ("decode", 0, 2, 1)) is fused
-    assert h.sm90_fuse_quant(m, 2 * kbs * 128, ("gemm", 0)) is False
+@pytest.mark.parametrize("m,k,plan,fused", [
+    (1, 4096, ("decode", 0, 2, 2), True),         # 16 K blocks a CTA, one token
+    (4, 3072, ("decode", 0, 2, 2), True),         # 4 x 12 = 48 groups: the limit
+    (4, 3584, ("decode", 0, 2, 2), False),        # 4 x 14 groups
+    (8, 4096, ("decode", 0, 4, 2), True),         # 8 tokens x 8 blocks
+    (8, 4096, ("decode", 0, 2, 2), False),        # 8 x 16 groups
+    (16, 2048, ("decode", 1, 4, 2), False),       # 16 x 4 groups
+    (12, 1024, ("decode", 1, 2, 2), True),        # 12 x 4 groups
+    (1, 4096, ("decode", 0, 1, 1), True),         # 32 blocks: a 32 KB slice, one CTA an SM
+    (1, 8192, ("decode", 0, 1, 1), False),        # 64 blocks: the slice would crowd the ring
+    (1, 7680, ("decode", 0, 1, 2), False),        # 60 blocks, two CTAs an SM
+    (17, 1024, ("decode", 2, 1, 2), False),       # over 16 tokens: the quant kernel
+    (1, 4096, ("gemm", 0), False),
+])
+def test_fuse_quant_only_small_slices(m, k, plan, fused, monkeypatch):
+    assert h.sm90_fuse_quant(m, k, plan) is fused
+    monkeypatch.setenv("FP8LINEAR_SM90_FUSE_QUANT", "0")
+    assert h.sm90_fuse_quant(m, k, plan) is False
+    monkeypatch.setenv("FP8LINEAR_SM90_FUSE_QUANT", "1")   # wherever the slice fits
+    assert h.sm90_fuse_quant(m, k, plan) is (plan[0] == "decode" and m <= 16
+                                             and h.cdiv(h.cdiv(k, 128), plan[2])
+                                             * (8 << plan[1]) * 128
+                                             <= h.SM90_DECODE_SMEM[plan[3]] // 4)
+    monkeypatch.setenv("FP8LINEAR_SM90_FUSE_QUANT", "2")
+    with pytest.raises(ValueError, match="FP8LINEAR_SM90_FUSE_QUANT='2'"):
+        h.sm90_fuse_quant(m, k, plan)
 
 
 @pytest.mark.parametrize("m,n,k,split", [
