@@ -90,7 +90,7 @@ def sm90_shape_ok(n: int, k: int) -> bool:
 
 # --------------------------------------------------------------------------- sm90 plans
 SM90_DECODE_TILES = (8, 16, 32, 64, 128)  # token tile of decode config i = 8 << i
-SM90_DECODE_MAX_M = 64
+SM90_DECODE_MAX_M = 32
 SM90_DECODE_ROWS = 128                     # weight rows per decode CTA
 # The decode kernel quantizes the activations itself for up to 16 tokens and short enough
 # slices (see sm90_fuse_quant).
@@ -268,14 +268,17 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, _forced_ctas=None,
     # 64x64 tiles of the large-M kernel: twice the CTAs of 64x128, for the middle of the M
     # range where too few tiles would leave SMs idle; only while they fit in one wave.
     tiles64 = cdiv(m, 64) * cdiv(n, 64)
-    if SM90_DECODE_TILES[2] < m <= SM90_DECODE_MAX_M and num_kb <= 32 and tiles64 <= num_sms:
-        # 33-64 tokens over a short K: one wave of 64x64 tiles beats the split-K decode
-        # kernel, whose split reduction is a larger share of a short K range (H100, M=64:
-        # 4096^2 11.6 vs 13.5 us, 7168x2048 9.6 vs 11.8, 6144x4096 13.8 vs 14.5; with 56-64
-        # K blocks decode stays ahead: 2112x7168 14.4 vs 16.8, 8192^2 27.8 vs 28.9).
+    if (SM90_DECODE_TILES[1] < m <= min(SM90_DECODE_TILES[2], decode_max) and num_kb <= 32
+            and tiles64 <= num_sms):
+        # 17-32 tokens over a short K: one wave of 64x64 tiles beats the split-K decode
+        # kernel's 32-token tiles (H100, M=32, results/2026-11-23_midm_sweep_h100.log: 4096^2
+        # 9.3 vs 10.0 us, 7168x2048 8.0 vs 8.6, 6144x4096 12.1 vs 13.9); with more K blocks
+        # decode stays ahead (2112x7168 10.2 vs 14.2, 8192^2 25.1 vs 26.6) except 4096x7168
+        # (14.8 vs 16.1).
         return ("gemm", 6)
     if m <= decode_max:
-        # Decode is bound by reading the weights once. Swap-AB puts the tokens on wgmma's
+        # Up to 32 tokens (the default decode_max) decode is bound by reading the weights
+        # once. Swap-AB puts the tokens on wgmma's
         # narrow side: the smallest token tile >= M wastes no tensor-core work on padding
         # (past 128 tokens, 128-token tiles).
         config = next((i for i, t in enumerate(SM90_DECODE_TILES) if t >= m),
@@ -289,7 +292,12 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, _forced_ctas=None,
         max_kb = 32768 // (bt * 4)
         splits = min(max(splits, cdiv(num_kb, max_kb)), num_kb)
         return ("decode", config, splits, _decode_ctas_per_sm(bt, cdiv(num_kb, splits)))
-    # Large M: 64-row tiles when 128-row ones would leave most SMs idle (twice the CTAs).
+    # From 33 tokens the large-M kernel's 64-row tiles beat the decode kernel's 64-token
+    # tiles nearly everywhere (H100, M=64, results/2026-11-23_midm_sweep_h100.log: 24576x1536
+    # 16.8 vs 20.1 us, 32768x512 8.9 vs 11.2, 57344x8192 168 vs 177, 8192x28672 83.1 vs 86.9,
+    # 4096x7168 14.6 vs 15.8; within 1% on 4096x14336 and 8192^2): the split-K decode kernel
+    # reduces 32 KB partial tiles per CTA through L2.
+    # 64-row tiles when 128-row ones would leave most SMs idle (twice the CTAs).
     tiles128 = cdiv(m, 128) * cdiv(n, 128)
     if tiles128 < num_sms // 2:
         # ... and 64x64 ones when even those fit in one wave (M=128: 4096^2 11.8 vs 13.5 us,
@@ -297,15 +305,21 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, _forced_ctas=None,
         return ("gemm", 6 if tiles64 <= num_sms else 1)
     # The fewest waves x tile time among 128x128, 256x128, 128x192 and 128x64 (N = 2112: 11
     # full 192-column tiles instead of 16.5, or 33 of 64); ties keep the first listed.
-    # (128x192 only from 512 tokens: below, measured slower than 128x128 or 64x128 where it
-    # had the fewer waves, e.g. 24576x1536 x 128 21.6 vs 19.7 us, 10240x8192 x 256 54.9 us
-    # against DeepGEMM's 37.3)
+    # Below 512 tokens also 64x128 and 64x64 (M=64: 28672x4096 44.5 us with 64x128 vs 48.8
+    # with 128x128, 24576x1536 16.8 with 64x64; M=128: 24576x1536 17.7 with 64x128 vs 20.0,
+    # 57344x8192 172 vs 181), 128x192 from 256 (M=256: 10240x8192 42.0 vs 52.3 with 256x128
+    # pairs, 57344x8192 216 vs 229, 24576x1536 22.9 vs 23.5); at 128 it lost (24576x1536
+    # 19.1 vs 17.7). (session 5's sweep; before the 128x192 promotion fix of session 4 it
+    # lost at 256 too.)
     # 256x128 tiles always run as pairs whose leader multicasts the shared activation tile
     # (config 5, the same waves x area as unpaired config 4): a third less L2 -> SM traffic;
     # 3-8% faster than unpaired 256x128 on 8192^2, 28672x4096, 4096x7168, 2112x7168 at M =
     # 2048-8192 (H100, session 4). (Before the pair released its stages with one instruction
     # for both lanes, it was 1-5% slower.)
-    candidates = (0, 5, 3, 7) if m >= 512 else (0, 5, 7)
+    # (64x64 only up to 64 tokens: above, its small tiles' L2 traffic per FLOP shows, e.g.
+    # 10240x8192 x 128 42.6 us against 35.9 with one wave of 128x128.)
+    candidates = ((0, 5, 3, 7) if m >= 512 else (0, 1, 5, 3, 7) if m >= 256
+                  else (0, 1, 5, 7) if m > 64 else (0, 1, 5, 7, 6))
     best = min(candidates, key=lambda c: _waves_x_area(m, n, num_sms, SM90_GEMM_CONFIGS[c]))
     # 128x128 pairs multicasting the shared weight tile from M >= 4096: 1-4% faster there
     # (less L2 traffic), 1-3% slower below, where the pair's lockstep costs more than it

@@ -13,8 +13,16 @@ H100 = h.TritonDevice(SMS, 227 * 1024, False, (9, 0))
 @pytest.mark.parametrize("m,n,k,config", [
     (128, 4096, 4096, 6),     # 32 tiles of 128x128 for 132 SMs: 64x64 tiles (128, one wave)
     (128, 7168, 2048, 1),     # 64x64 would need two waves: 64x128
-    (128, 24576, 1536, 0),    # 192 tiles of 128x128: 128x192 only from M = 512
-    (64, 4096, 4096, 6),      # 33-64 tokens, 32 K blocks, one wave of 64x64: large-M kernel
+    (128, 24576, 1536, 1),    # 3 waves of 64x128 vs 2 of 128x128 (half the area each)
+    (128, 10240, 8192, 0),    # one wave of 128x128 vs two of 64x128: the tie keeps 128x128
+    (64, 4096, 4096, 6),      # 33-64 tokens: the large-M kernel; one wave of 64x64
+    (64, 2112, 7168, 6),
+    (64, 8192, 8192, 6),      # 128 tiles of 64x64
+    (64, 28672, 4096, 1),     # 2 waves of 64x128 = 4 of 64x64: the tie keeps 64x128
+    (64, 24576, 1536, 6),     # 3 waves of 64x64 vs 2 of 64x128
+    (32, 4096, 4096, 6),      # 17-32 tokens over <= 32 K blocks, one wave of 64x64
+    (256, 10240, 8192, 3),    # 128x192 from 256 tokens: one wave of 108 tiles
+    (256, 6144, 4096, 0),     # one wave of 128x128 vs 128x192's 64 larger tiles
     (512, 4096, 4096, 0),     # one full wave of 128x128; 256x128 would idle half the SMs
     (512, 8192, 8192, 5),     # two waves of 128x128 = one of 256x128, which is cheaper
     (8192, 8192, 8192, 5),
@@ -44,8 +52,8 @@ def test_forced_gemm_config(monkeypatch):
     (1, 2112, 7168, 0, 7, 2),
     (1, 7168, 16384, 0, 2, 1),      # 64 K blocks a CTA: one CTA an SM
     (16, 4096, 4096, 1, 4, 2),
-    (64, 2112, 7168, 3, 7, 1),      # 64-token tiles never pair up (registers)
-    (64, 8192, 8192, 3, 2, 1),      # 64 K blocks: the split-K decode kernel, not 64x64 tiles
+    (32, 2112, 7168, 2, 7, 2),      # 56 K blocks: the decode kernel, not 64x64 tiles
+    (32, 8192, 8192, 2, 2, 1),      # 64 K blocks a CTA: one CTA an SM
 ])
 def test_decode_plans(m, n, k, tile, splits, ctas):
     assert h.sm90_plan(m, n, k, SMS) == ("decode", tile, splits, ctas)
@@ -56,7 +64,10 @@ def test_decode_ctas_forced(monkeypatch):
     assert h.sm90_plan(1, 4096, 4096, SMS)[3] == 1
     monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CTAS", "2")
     assert h.sm90_plan(1, 7168, 16384, SMS)[3] == 2
+    assert h.sm90_plan(32, 7168, 16384, SMS)[3] == 2
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_MAX_M", "64")
     assert h.sm90_plan(64, 2112, 7168, SMS)[3] == 1                # not for 64-token tiles
+    monkeypatch.delenv("FP8LINEAR_SM90_DECODE_MAX_M")
     monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CTAS", "3")
     with pytest.raises(ValueError, match="FP8LINEAR_SM90_DECODE_CTAS"):
         h.sm90_plan(1, 4096, 4096, SMS)
@@ -70,9 +81,10 @@ def test_decode_ctas_forced(monkeypatch):
     (1, 7168, 16384, False),        # one CTA an SM: clusters would strand SMs per GPC
     (1, 24576, 1536, False),        # one split: nothing to reduce
     (1, 256, 4096, False),          # 32 splits: more than a cluster holds
-    (64, 2112, 7168, False),        # 64-token tiles: one CTA an SM
-])
+    (64, 2112, 7168, False),        # 64-token tiles (FP8LINEAR_SM90_DECODE_MAX_M=64): one
+])                                  # CTA an SM
 def test_decode_cluster_reduce(m, n, k, cluster, monkeypatch):
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_MAX_M", "64")
     plan = h.sm90_plan(m, n, k, SMS)
     assert plan[0] == "decode"
     assert h.sm90_decode_cluster_reduce(*plan[1:]) is cluster
@@ -167,14 +179,16 @@ def test_forced_sm90_on_another_gpu_fails_before_launch(monkeypatch):
 
 
 def test_decode_max_m_knob(monkeypatch):
-    # default: the decode kernel up to 64 tokens, large-M tiles above
-    assert h.sm90_plan(128, 4096, 4096, SMS)[0] == "gemm"
+    # default: the decode kernel up to 32 tokens, large-M tiles above
+    assert h.sm90_plan(33, 2112, 7168, SMS)[0] == "gemm"
+    assert h.sm90_plan(32, 2112, 7168, SMS)[0] == "decode"
     monkeypatch.setenv("FP8LINEAR_SM90_DECODE_MAX_M", "256")
     plan = h.sm90_plan(256, 4096, 4096, SMS)
     assert plan[:2] == ("decode", len(h.SM90_DECODE_TILES) - 1)
     # two 128-token tiles x 32 row tiles: 2 splits fill one wave
     assert plan[2] == SMS // (2 * 32)
     assert h.sm90_plan(257, 4096, 4096, SMS)[0] == "gemm"
+    assert h.sm90_plan(64, 2112, 7168, SMS)[:2] == ("decode", 3)   # 64-token tiles
     for bad in ("0", "300", "x"):
         monkeypatch.setenv("FP8LINEAR_SM90_DECODE_MAX_M", bad)
         with pytest.raises(ValueError, match="FP8LINEAR_SM90_DECODE_MAX_M"):
