@@ -12,7 +12,9 @@ cd "$(dirname "$0")/../.."
 W=.vllm-wheels
 ls $W/c*/part-* > /dev/null 2>&1 || { echo "no $W/c*/part-*: run ../shared/vllm-device/prepare.sh first"; exit 1; }
 rm -rf $W/d? && mkdir -p $W/recut
-cat $W/c*/part-* | split -b 50000000 -d -a 2 - $W/recut/p
+# CHUNK_MB (default 50): lower it as the tracked tree grows (tree + one chunk <= 64 MiB),
+# and pass the chunk count it prints as VLLM_PARTS to install_parts.sh
+cat $W/c*/part-* | split -b "${CHUNK_MB:-50}000000" -d -a 2 - $W/recut/p
 n=0
 for f in $W/recut/p*; do mkdir -p $W/d$n && mv "$f" $W/d$n/; n=$((n + 1)); done
 rmdir $W/recut
