@@ -7,8 +7,8 @@
 //   producer warp:   TMA of 128x128 weight tiles into a `stages`-deep ring (evict-first: read
 //                    once), started before griddepcontrol.wait so it overlaps the previous
 //                    kernel's tail under programmatic dependent launch;
-//   math warpgroups: (fused) quantize this CTA's whole activation slice, bf16 -> fp8 + per-token
-//                    scales (the numerics of fp8linear.quant.quantize_activation), into a
+//   math warpgroups: (fused) quantize this CTA's whole activation slice, bf16 -> fp8 +
+//                    per-token scales (the numerics of fp8linear.quant.quantize_activation), into a
 //                    resident shared-memory tile per K block, all 8 warps at once while the
 //                    weight ring fills; then per K block: 4 wgmmas, promotion with weight-row
 //                    x token scales.
@@ -170,7 +170,8 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
     const int live = min(BT, p.M - m0);
     for (int e = tid; e < (BT - live) * kbs * 8; e += 256) {  // 16-byte chunks of padding rows
       const int row = e / 8, t = live + row % (BT - live), i = row / (BT - live);
-      *reinterpret_cast<uint4*>(sX + (i * BT + t) * kBlockK + (e % 8) * 16) = make_uint4(0, 0, 0, 0);
+      uint8_t* chunk = sX + (i * BT + t) * kBlockK + (e % 8) * 16;
+      *reinterpret_cast<uint4*>(chunk) = make_uint4(0, 0, 0, 0);
     }
     for (int e = tid; e < (BT - live) * kbs; e += 256)
       sXS[(e / (BT - live)) * BT + live + e % (BT - live)] = 0.f;
@@ -200,7 +201,8 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
           const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&bits[u]);
           for (int q = 0; q < 4; ++q) v[u][q] = to_f(h[q]);
         }
-        amax[u] = fmaxf(fmaxf(fabsf(v[u][0]), fabsf(v[u][1])), fmaxf(fabsf(v[u][2]), fabsf(v[u][3])));
+        amax[u] = fmaxf(fmaxf(fabsf(v[u][0]), fabsf(v[u][1])),
+                        fmaxf(fabsf(v[u][2]), fabsf(v[u][3])));
       }
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1)

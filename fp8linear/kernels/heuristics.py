@@ -273,14 +273,13 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, _forced_ctas=None,
         # 17-32 tokens over a short K: one wave of 64x64 tiles beats the split-K decode
         # kernel's 32-token tiles (H100, M=32, results/2026-11-23_midm_sweep_h100.log: 4096^2
         # 9.3 vs 10.0 us, 7168x2048 8.0 vs 8.6, 6144x4096 12.1 vs 13.9); with more K blocks
-        # decode stays ahead (2112x7168 10.2 vs 14.2, 8192^2 25.1 vs 26.6) except 4096x7168
-        # (14.8 vs 16.1).
+        # decode stays ahead (its time first: 2112x7168 10.2 vs 14.2, 8192^2 25.1 vs 26.6)
+        # except on 4096x7168 (16.1 vs 14.8).
         return ("gemm", 6)
     if m <= decode_max:
         # Up to 32 tokens (the default decode_max) decode is bound by reading the weights
-        # once. Swap-AB puts the tokens on wgmma's
-        # narrow side: the smallest token tile >= M wastes no tensor-core work on padding
-        # (past 128 tokens, 128-token tiles).
+        # once. Swap-AB puts the tokens on wgmma's narrow side: the smallest token tile >= M
+        # wastes no tensor-core work on padding (past 128 tokens, 128-token tiles).
         config = next((i for i, t in enumerate(SM90_DECODE_TILES) if t >= m),
                       len(SM90_DECODE_TILES) - 1)
         bt = SM90_DECODE_TILES[config]
@@ -295,8 +294,8 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, _forced_ctas=None,
     # From 33 tokens the large-M kernel's 64-row tiles beat the decode kernel's 64-token
     # tiles nearly everywhere (H100, M=64, results/2026-11-23_midm_sweep_h100.log: 24576x1536
     # 16.8 vs 20.1 us, 32768x512 8.9 vs 11.2, 57344x8192 168 vs 177, 8192x28672 83.1 vs 86.9,
-    # 4096x7168 14.6 vs 15.8; within 1% on 4096x14336 and 8192^2): the split-K decode kernel
-    # reduces 32 KB partial tiles per CTA through L2.
+    # 4096x7168 14.6 vs 15.8; within 1% on 4096x14336 and 8192^2). (Not for its reduction's
+    # loads: with four times as many in flight it ran no faster.)
     # 64-row tiles when 128-row ones would leave most SMs idle (twice the CTAs).
     tiles128 = cdiv(m, 128) * cdiv(n, 128)
     if tiles128 < num_sms // 2:
