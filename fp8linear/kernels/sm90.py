@@ -1,9 +1,9 @@
 """The Hopper backend: our sm_90a CUDA kernels (csrc/sm90), built on first use.
 
 Two kernels sit behind the backend protocol, chosen by heuristics.sm90_plan:
-- decode (M <= 32 by default): swap-AB, split-K; activation quantization fused into the launch up to
-  M = 16 where each CTA's slice is small (heuristics.sm90_fuse_quant), else a separate
-  quantization kernel first (it lets the GEMM start early under PDL);
+- decode (M <= 32 by default): swap-AB, split-K; activation quantization fused into the
+  launch up to M = 16 where each CTA's slice is small (heuristics.sm90_fuse_quant), else a
+  separate quantization kernel first (it lets the GEMM start early under PDL);
 - large M: quantization kernel, then the persistent TMA/wgmma GEMM.
 Python here only reshapes metadata and allocates outputs/workspaces from the torch allocator
 (CUDA-graph safe); every check that matters ran in ops.py before we get here.

@@ -1,0 +1,127 @@
+"""fp8linear/kernels/sm90.py's glue on the CPU: what it hands the extension (tensors, layouts,
+flags) for each plan, with a recording stand-in for the compiled module. The kernels
+themselves are tested on the GPU (test_gemm_gpu.py); this keeps CI on the Python side of
+every launch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fp8linear
+from fp8linear.kernels import heuristics, sm90
+
+
+class Recorder:
+    """Stands in for the compiled extension: records each call's arguments."""
+
+    def __init__(self):
+        self.calls = []
+
+    def gemm(self, a, a_scale_t, w, w_scale, per_row, bias, out, config):
+        self.calls.append(("gemm", dict(a=a, a_scale_t=a_scale_t, per_row=per_row,
+                                         config=config)))
+
+    def quant(self, x, q, scale_t):
+        self.calls.append(("quant", dict(x=x, q=q, scale_t=scale_t)))
+
+    def decode(self, x, x_scale, w, w_scale, per_row, bias, out, ws, counters, config, splits,
+               ctas_per_sm, pdl, cluster):
+        self.calls.append(("decode", dict(x=x, x_scale=x_scale, ws=ws, config=config,
+                                          splits=splits, ctas=ctas_per_sm, pdl=pdl,
+                                          cluster=cluster)))
+
+
+@pytest.fixture
+def ext(monkeypatch):
+    rec = Recorder()
+    monkeypatch.setattr(sm90.build, "load", lambda: rec)
+    monkeypatch.setattr(sm90, "_num_sms", lambda index: 132)
+    for knob in ("FP8LINEAR_PDL", "FP8LINEAR_SM90_DECODE_CLUSTER", "FP8LINEAR_SM90_FUSE_QUANT",
+                 "FP8LINEAR_SM90_GEMM_CONFIG", "FP8LINEAR_SM90_DECODE_MAX_M",
+                 "FP8LINEAR_SM90_DECODE_CTAS"):
+        monkeypatch.delenv(knob, raising=False)
+    return rec
+
+
+def _operands(m, n, k):
+    g = torch.Generator().manual_seed(m * 7 + n + k)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w, ws = fp8linear.quantize_weight(torch.randn(n, k, generator=g))
+    a, a_s = fp8linear.quantize_activation(x)
+    return x, a, a_s, w, ws
+
+
+def _out(m, n):
+    return torch.empty(m, n, dtype=torch.bfloat16)
+
+
+def test_gemm_reads_column_major_scales_in_place(ext):
+    m, n, k = 600, 4096, 4096
+    _, a, a_s, w, ws = _operands(m, n, k)
+    col = torch.empty(a_s.shape[1], 600)[:, :m].copy_(a_s.t()).t()   # strides (1, 600)
+    sm90.gemm(a, col, w, ws, None, _out(m, n))
+    (kind, c), = ext.calls
+    assert kind == "gemm" and c["config"] == heuristics.sm90_plan(m, n, k, 132)[1]
+    # the [Kb, M] view of the caller's own storage: no copy
+    assert c["a_scale_t"].data_ptr() == col.data_ptr() and c["a_scale_t"].stride() == (600, 1)
+
+
+@pytest.mark.parametrize("m", [600, 601])
+def test_gemm_copies_row_major_scales_into_tma_rows(ext, m):
+    n, k = 4096, 4096
+    _, a, a_s, w, ws = _operands(m, n, k)
+    sm90.gemm(a, a_s, w, ws, None, _out(m, n))
+    (_, c), = ext.calls
+    st = c["a_scale_t"]
+    ld = -(-m // 4) * 4                      # 16-byte rows
+    assert st.shape == (k // 128, ld) and st.is_contiguous()
+    assert torch.equal(st[:, :m], a_s.t())
+
+
+def test_linear_large_m_quantizes_then_gemm_on_the_quant_kernels_layout(ext):
+    m, n, k = 64, 28672, 4096
+    x, _, _, w, ws = _operands(m, n, k)
+    sm90.linear(x, w, ws, None, _out(m, n))
+    (k1, q), (k2, g) = ext.calls
+    assert (k1, k2) == ("quant", "gemm")
+    assert g["a"] is q["q"] and g["a_scale_t"] is q["scale_t"]
+    assert q["scale_t"].shape == (k // 128, 64)
+    assert g["config"] == heuristics.sm90_plan(m, n, k, 132)[1]
+
+
+def test_linear_fused_decode_passes_raw_activations(ext):
+    m, n, k = 1, 7168, 2048        # two splits, two CTAs an SM: fused, cluster reduction
+    x, _, _, w, ws = _operands(m, n, k)
+    sm90.linear(x, w, ws, None, _out(m, n))
+    (kind, d), = ext.calls
+    assert kind == "decode" and d["x"] is x and d["x_scale"] is None
+    assert (d["splits"], d["ctas"], d["cluster"], d["pdl"]) == (2, 2, True, True)
+    assert d["ws"].numel() == 0    # the cluster reduces in shared memory: no workspace
+
+
+def test_decode_workspace_when_not_clustered(ext, monkeypatch):
+    m, n, k = 1, 4096, 4096        # four splits: the workspace reduction
+    x, _, _, w, ws = _operands(m, n, k)
+    sm90.linear(x, w, ws, None, _out(m, n))
+    (_, d), = ext.calls
+    assert d["cluster"] is False and d["splits"] == 4
+    tiles = n // heuristics.SM90_DECODE_ROWS
+    assert d["ws"].numel() == 4 * tiles * 8 * heuristics.SM90_DECODE_ROWS
+    ext.calls.clear()
+    monkeypatch.setenv("FP8LINEAR_PDL", "0")
+    sm90.linear(x, w, ws, None, _out(m, n))
+    assert ext.calls[0][1]["pdl"] is False
+
+
+def test_linear_unfused_decode_reads_scales_by_stride(ext):
+    m, n, k = 20, 2112, 7168       # 32-token tiles over 56 K blocks: quant kernel + decode
+    x, _, _, w, ws = _operands(m, n, k)
+    plan = heuristics.sm90_plan(m, n, k, 132)
+    assert plan[0] == "decode" and not heuristics.sm90_fuse_quant(m, k, plan)
+    sm90.linear(x, w, ws, None, _out(m, n))
+    (k1, q), (k2, d) = ext.calls
+    assert (k1, k2) == ("quant", "decode")
+    assert d["x"] is q["q"]
+    # token-major view of the quant kernel's [Kb, ld] scales
+    assert d["x_scale"].shape == (m, k // 128) and d["x_scale"].stride() == (1, 20)
+    assert d["x_scale"].data_ptr() == q["scale_t"].data_ptr()
