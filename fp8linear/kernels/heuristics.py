@@ -62,18 +62,19 @@ def _module(name: str):
 
 def backend_for(device: torch.device, m: int, n: int, k: int):
     """The backend module for one call (see the module docstring)."""
+    forced = forced_backend()  # once: an environment read costs host time on every call
     if device.type != "cuda":
         # No GPU: the torch reference is the only path (and the definition of the numerics).
-        if forced_backend() not in (None, "reference"):
-            warnings.warn(f"{_ENV}={forced_backend()} ignored for a {device.type} tensor: "
+        if forced not in (None, "reference"):
+            warnings.warn(f"{_ENV}={forced} ignored for a {device.type} tensor: "
                           f"using the torch reference", stacklevel=3)
         return reference
-    name = forced_backend() or _cuda_default(device.index or 0)
-    if forced_backend() == "sm90":
+    name = forced or _cuda_default(device.index or 0)
+    if forced == "sm90":
         _check_sm90_device(device.index if device.index is not None else
                            torch.cuda.current_device())
     if name == "sm90" and not sm90_shape_ok(n, k):
-        if forced_backend() == "sm90":
+        if forced == "sm90":
             from . import sm90
             sm90.check_shape(n, k)  # raises the ValueError that explains it
         # TMA needs 16-byte row strides (K % 16, N % 8); other shapes take the Triton path,
