@@ -410,6 +410,26 @@ def target_summary(rows: list[dict], method: str = "fp8linear") -> str:
         out.append(f"{method} vs deepgemm {name}: geomean {g:.3f} (need {need_geo}), "
                    f"min {mn:.3f} at {worst['N']}x{worst['K']} M={worst['M']} "
                    f"(need {need_min}) over {len(b)} points -> {'PASS' if ok else 'FAIL'}")
+    # decode runs: the same bands with an elementwise kernel between GEMMs, as in a model
+    el = [r for r in rows if r["method"] == method and r.get("mode") == "elem"
+          and r.get("speedup_vs_deepgemm")]
+    for name, lo, hi in (("M 1-16", 1, 16), ("M 32-256", 32, 256)):
+        sp = [r["speedup_vs_deepgemm"] for r in el if lo <= r["M"] <= hi]
+        if sp:
+            out.append(f"{method} vs deepgemm {name}, elementwise kernel between GEMMs: "
+                       f"geomean {geomean(sp):.3f}, min {min(sp):.3f} over {len(sp)} points")
+    # issue 4: fp8_linear (quantization included) within 1 us of the GEMM alone at M <= 16
+    lin = {(r.get("mode", "b2b"), r["N"], r["K"], r["M"]): r["us"] for r in rows
+           if r["method"] == "fp8linear_linear" and r["M"] <= 16}
+    for mode in ("b2b", "elem"):
+        gaps = sorted(lin[(mode, r["N"], r["K"], r["M"])] - r["us"] for r in rows
+                      if r["method"] == method and r.get("mode", "b2b") == mode
+                      and (mode, r["N"], r["K"], r["M"]) in lin)
+        if gaps:
+            over = sum(g > 1.0 for g in gaps)
+            out.append(f"fp8linear_linear - {method}, M<=16, {mode}: median "
+                       f"{gaps[len(gaps) // 2]:+.2f} us, max {gaps[-1]:+.2f} us; {over} of "
+                       f"{len(gaps)} over 1 us -> {'PASS' if not over else 'FAIL'}")
     dec = [r for r in rs if r["M"] <= 16 and r.get("pct_floor")]
     if dec:
         fails = [r for r in dec
