@@ -27,13 +27,17 @@ def _fail(msg: str):
     raise ValueError(msg)
 
 
-def _check_2d_contiguous(t: torch.Tensor, name: str, dtype, shape):
+def _check_typed_shape(t: torch.Tensor, name: str, dtype, shape):
     if not isinstance(t, torch.Tensor):
         _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != dtype:
         _fail(f"{name} must be {dtype}, got {t.dtype}")
     if tuple(t.shape) != tuple(shape):
         _fail(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def _check_2d_contiguous(t: torch.Tensor, name: str, dtype, shape):
+    _check_typed_shape(t, name, dtype, shape)
     if t.numel() and not t.is_contiguous():
         _fail(f"{name} must be contiguous (row-major), got strides {t.stride()}")
 
@@ -43,12 +47,7 @@ def _check_activation_scale(s: torch.Tensor, m: int, kb: int):
     # per_token_group_quant_fp8(column_major_scales=True) and what DeepGEMM takes. With ld a
     # multiple of 4 the Hopper kernel reads it in place (TMA rows of 16 bytes); any other
     # layout costs it a transposing copy.
-    if not isinstance(s, torch.Tensor):
-        _fail(f"a_scale must be a torch.Tensor, got {type(s).__name__}")
-    if s.dtype != torch.float32:
-        _fail(f"a_scale must be torch.float32, got {s.dtype}")
-    if tuple(s.shape) != (m, kb):
-        _fail(f"a_scale must have shape {(m, kb)}, got {tuple(s.shape)}")
+    _check_typed_shape(s, "a_scale", torch.float32, (m, kb))
     if s.numel() and not (s.is_contiguous() or (s.stride(0) == 1 and s.stride(1) >= m)):
         _fail(f"a_scale must be row-major, or column-major (strides (1, ld) with ld >= {m}), "
               f"got strides {s.stride()}")

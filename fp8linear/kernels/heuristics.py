@@ -131,6 +131,14 @@ def _decode_ctas_per_sm(bt: int, kbs: int) -> int:
     return 1
 
 
+def _switch(name: str) -> str | None:
+    """An on/off knob's setting: None (unset: the heuristic decides), "0" or "1"."""
+    v = os.environ.get(name) or None
+    if v not in (None, "0", "1"):
+        raise ValueError(f"{name}={v!r}: expected 0 or 1")
+    return v
+
+
 _DECODE_CLUSTER = "FP8LINEAR_SM90_DECODE_CLUSTER"
 SM90_DECODE_CLUSTER_MAX_SPLITS = 8  # the portable cluster size
 SM90_DECODE_CLUSTER_DEFAULT_SPLITS = 2
@@ -153,9 +161,7 @@ def sm90_decode_cluster_reduce(config: int, splits: int, ctas_per_sm: int) -> bo
     nothing.) FP8LINEAR_SM90_DECODE_CLUSTER=0 turns it off, =1 uses it wherever it can run
     (2..8 splits, token tiles <= 32).
     """
-    v = os.environ.get(_DECODE_CLUSTER)
-    if v not in (None, "", "0", "1"):
-        raise ValueError(f"{_DECODE_CLUSTER}={v!r}: expected 0 or 1")
+    v = _switch(_DECODE_CLUSTER)
     can = (2 <= splits <= SM90_DECODE_CLUSTER_MAX_SPLITS
            and SM90_DECODE_TILES[config] <= SM90_DECODE_TWO_PER_SM_MAX_BT)
     if v == "0" or not can:
@@ -182,9 +188,7 @@ def sm90_fuse_quant(m: int, k: int, plan) -> bool:
     to <= 8 blocks and M <= 8.) FP8LINEAR_SM90_FUSE_QUANT=0 never fuses (=1: wherever the
     slice fits).
     """
-    v = os.environ.get(_FUSE_QUANT)
-    if v not in (None, "", "0", "1"):
-        raise ValueError(f"{_FUSE_QUANT}={v!r}: expected 0 or 1")
+    v = _switch(_FUSE_QUANT)
     if plan[0] != "decode" or m > SM90_FUSE_QUANT_MAX_M or v == "0":
         return False
     _, config, splits, ctas = plan
