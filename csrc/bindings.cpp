@@ -66,8 +66,8 @@ void quant(const at::Tensor& x, at::Tensor& q, at::Tensor& scale_t) {
 // counters int32 >= tiles, zero.
 void decode(const at::Tensor& x, const c10::optional<at::Tensor>& x_scale, const at::Tensor& w, const at::Tensor& w_scale, bool per_row,
             const c10::optional<at::Tensor>& bias, at::Tensor& out, at::Tensor& workspace,
-            at::Tensor& counters, int64_t config, int64_t splits, int64_t ctas_per_sm, bool pdl,
-            bool cluster_reduce) {
+            at::Tensor& counters, int64_t config, int64_t rows, int64_t splits,
+            int64_t ctas_per_sm, bool pdl, bool early_trigger, bool cluster_reduce) {
   const c10::cuda::CUDAGuard guard(x.device());
   fp8l::DecodeArgs d{};
   d.x = x.data_ptr();
@@ -91,9 +91,11 @@ void decode(const at::Tensor& x, const c10::optional<at::Tensor>& x_scale, const
   d.N = int(w.size(0));
   d.K = int(w.size(1));
   d.config = int(config);
+  d.rows = int(rows);
   d.splits = int(splits);
   d.ctas_per_sm = int(ctas_per_sm);
   d.pdl = pdl;
+  d.early_trigger = early_trigger;
   d.cluster_reduce = cluster_reduce;
   check(fp8l::launch_decode(d, at::cuda::getCurrentCUDAStream()), "decode");
 }

@@ -55,10 +55,12 @@ struct DecodeArgs {
   int* counters;          // int32 [tiles], zero; the kernel leaves them zero again
   int M, N, K;
   int config;             // token tile BT = 8 << config (8..128)
+  int rows;               // weight rows per CTA: 128, or 64 (token tiles <= 32)
   int splits;             // K-splits (1 = no reduction)
   int ctas_per_sm;        // 1, or 2 (token tiles <= 32): half the shared memory and registers,
                           // so the next kernel's CTAs fit beside ours under PDL
   bool pdl;               // programmatic dependent launch
+  bool early_trigger;     // (pdl) the next kernel may launch as soon as ours has started
   bool cluster_reduce;    // 2..8 splits of a tile as one cluster, reduced in distributed
                           // shared memory (no workspace, no counters)
 };

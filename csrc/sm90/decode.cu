@@ -10,36 +10,46 @@ namespace {
 // Dynamic shared memory a CTA may use: sm_90's opt-in maximum with one CTA an SM; with two,
 // half of the SM's 228 KB less the 1 KB the system reserves per CTA.
 constexpr int smem_limit(int ctas_per_sm) { return ctas_per_sm == 1 ? 232448 : 115712; }
-constexpr int kMaxStages = 8;       // 8 x 16 KB of weights in flight per SM saturates HBM
+// 128 KB of weights in flight per CTA (8 stages of 128 rows, 16 of 64) saturates HBM
+constexpr int kMaxWeightBytesInFlight = 8 * kDecodeMaxRows * kBlockK;
 
-int pick_stages(int bt, int kbs, bool per_row, bool fused, int limit) {
-  const DecodeLayout none = decode_layout(bt, kbs, 0, per_row, fused);
+int pick_stages(int rows, int bt, int kbs, bool per_row, bool fused, int limit) {
+  const DecodeLayout none = decode_layout(rows, bt, kbs, 0, per_row, fused);
   // bytes one more stage costs: its ring slot and its two barriers
-  const int per_stage = decode_layout(bt, kbs, 1, per_row, fused).total - none.total + 16;
+  const int per_stage = decode_layout(rows, bt, kbs, 1, per_row, fused).total - none.total + 16;
+  const int max_stages = kMaxWeightBytesInFlight / (rows * kBlockK);
   int stages = (limit - none.total - 1024) / per_stage;
-  stages = stages < kMaxStages ? stages : kMaxStages;
-  return stages < kbs ? stages : kbs;  // never deeper than the work
+  stages = stages < max_stages ? stages : max_stages;
+  stages = stages < kbs ? stages : kbs;  // never deeper than the work
+  // 64 rows: the warpgroups take alternate K blocks, so with an even ring every stage belongs
+  // to one warpgroup. With an odd one a stage alternates between them, and a warpgroup that
+  // runs a lap ahead waits for the parity of a phase two ahead of the barrier's, which reads
+  // as complete (mbarrier parity waits see one phase back): stale tiles, a broken ring.
+  if (rows == 64 && kbs > 1) stages &= ~1;
+  return stages;
 }
 
-template <int BT, bool kPerRow, typename OutT, int kCtasPerSM>
+template <int BT, int kRows, bool kPerRow, typename OutT, int kCtasPerSM>
 std::string launch(const DecodeArgs& d, cudaStream_t stream) {
   constexpr int kSmemLimit = smem_limit(kCtasPerSM);
   const int num_kb = (d.K + kBlockK - 1) / kBlockK;
   const int kbs = (num_kb + d.splits - 1) / d.splits;
   const bool fused = d.x_dtype != kInFP8;
-  const int stages = pick_stages(BT, kbs, kPerRow, fused, kSmemLimit);
-  if (stages < 1 || decode_layout(BT, kbs, stages, kPerRow, fused).total + 1024 > kSmemLimit)
+  const int stages = pick_stages(kRows, BT, kbs, kPerRow, fused, kSmemLimit);
+  const DecodeLayout layout = decode_layout(kRows, BT, kbs, stages, kPerRow, fused);
+  if (stages < 1 || (kRows == 64 && kbs > 1 && stages < 2) || layout.total + 1024 > kSmemLimit)
     return "decode config does not fit in shared memory (token tile " + std::to_string(BT) +
            ", " + std::to_string(kbs) + " K blocks per split): use more splits";
-  const int smem = decode_layout(BT, kbs, stages, kPerRow, fused).total + 1024;
+  const int smem = layout.total + 1024;
   if (d.cluster_reduce) {
     if (d.splits < 2 || d.splits > 8) return "a cluster reduction takes 2..8 splits";
-    if (BT * kDecodeRows * 4 > stages * decode_layout(BT, kbs, stages, kPerRow, fused).stage)
+    if (BT * kRows * 4 > stages * layout.stage)
       return "the partial tile does not fit in the ring for a cluster reduction";
   }
+  // (64 rows: the warpgroups' exchange, BT / 2 floats a thread, fits in one 8 KB stage)
   CUtensorMap tw;
   std::string e = make_tensor_map_2d(&tw, d.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, d.N, d.K, d.K,
-                                     kDecodeRows, kBlockK, CU_TENSOR_MAP_SWIZZLE_128B);
+                                     kRows, kBlockK, CU_TENSOR_MAP_SWIZZLE_128B);
   if (!e.empty()) return e;
   // fp8 activations: tiles swizzled for wgmma (fused, the kernel reads the 16-bit rows itself)
   CUtensorMap tx{};
@@ -47,15 +57,15 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
       !(e = make_tensor_map_2d(&tx, d.x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, d.M, d.K, d.K, BT,
                                kBlockK, CU_TENSOR_MAP_SWIZZLE_128B)).empty())
     return e;
-  constexpr auto kernel = fp8_decode_kernel<BT, kPerRow, OutT, kCtasPerSM>;
+  constexpr auto kernel = fp8_decode_kernel<BT, kRows, kPerRow, OutT, kCtasPerSM>;
   cudaError_t err = ensure_smem_limit<kernel>(smem);
   if (err != cudaSuccess) return cudaGetErrorString(err);
   DecodeParams p{d.x,         d.x_dtype,  d.x_scale, d.xs_stride_m, d.xs_stride_kb,
                  d.w_scale,   d.bias,     d.bias_f32, d.out,     d.workspace,   d.counters,
                  d.M,         d.N,        d.K,       num_kb,        d.splits,
-                 stages,      d.cluster_reduce ? 1 : 0};
+                 stages,      d.cluster_reduce ? 1 : 0, d.pdl && d.early_trigger ? 1 : 0};
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((d.N + kDecodeRows - 1) / kDecodeRows, (d.M + BT - 1) / BT, d.splits);
+  cfg.gridDim = dim3((d.N + kRows - 1) / kRows, (d.M + BT - 1) / BT, d.splits);
   cfg.blockDim = dim3(384);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
@@ -77,22 +87,31 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
   return err == cudaSuccess ? std::string() : std::string(cudaGetErrorString(err));
 }
 
-template <int BT, int C>
+template <int BT, int R, int C>
 std::string dispatch_types(const DecodeArgs& d, cudaStream_t stream) {
   if (d.out_dtype == kOutBF16)
-    return d.w_scale_per_row ? launch<BT, true, __nv_bfloat16, C>(d, stream)
-                             : launch<BT, false, __nv_bfloat16, C>(d, stream);
-  return d.w_scale_per_row ? launch<BT, true, __half, C>(d, stream)
-                           : launch<BT, false, __half, C>(d, stream);
+    return d.w_scale_per_row ? launch<BT, R, true, __nv_bfloat16, C>(d, stream)
+                             : launch<BT, R, false, __nv_bfloat16, C>(d, stream);
+  return d.w_scale_per_row ? launch<BT, R, true, __half, C>(d, stream)
+                           : launch<BT, R, false, __half, C>(d, stream);
+}
+
+template <int BT, int R>
+std::string dispatch_ctas(const DecodeArgs& d, cudaStream_t stream) {
+  if (d.ctas_per_sm == 1) return dispatch_types<BT, R, 1>(d, stream);
+  if constexpr (BT <= 32) {
+    if (d.ctas_per_sm == 2) return dispatch_types<BT, R, 2>(d, stream);
+  }
+  return "ctas_per_sm must be 1, or 2 with token tiles <= 32";
 }
 
 template <int BT>
-std::string dispatch_ctas(const DecodeArgs& d, cudaStream_t stream) {
-  if (d.ctas_per_sm == 1) return dispatch_types<BT, 1>(d, stream);
+std::string dispatch_rows(const DecodeArgs& d, cudaStream_t stream) {
+  if (d.rows == 128) return dispatch_ctas<BT, 128>(d, stream);
   if constexpr (BT <= 32) {
-    if (d.ctas_per_sm == 2) return dispatch_types<BT, 2>(d, stream);
+    if (d.rows == 64) return dispatch_ctas<BT, 64>(d, stream);
   }
-  return "ctas_per_sm must be 1, or 2 with token tiles <= 32";
+  return "rows must be 128, or 64 with token tiles <= 32";
 }
 
 }  // namespace
@@ -103,11 +122,11 @@ std::string launch_decode(const DecodeArgs& d, cudaStream_t stream) {
   const int num_kb = (d.K + kBlockK - 1) / kBlockK;
   if (d.splits < 1 || d.splits > num_kb) return "splits must be in [1, ceil(K/128)]";
   switch (d.config) {
-    case 0: return dispatch_ctas<8>(d, stream);
-    case 1: return dispatch_ctas<16>(d, stream);
-    case 2: return dispatch_ctas<32>(d, stream);
-    case 3: return dispatch_ctas<64>(d, stream);
-    case 4: return dispatch_ctas<128>(d, stream);
+    case 0: return dispatch_rows<8>(d, stream);
+    case 1: return dispatch_rows<16>(d, stream);
+    case 2: return dispatch_rows<32>(d, stream);
+    case 3: return dispatch_rows<64>(d, stream);
+    case 4: return dispatch_rows<128>(d, stream);
     default: return "unknown decode config " + std::to_string(d.config);
   }
 }

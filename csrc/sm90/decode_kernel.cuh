@@ -1,9 +1,11 @@
 // Skinny (decode) block-scaled FP8 GEMM for sm_90a, bound by reading the weights once.
 //
-// Swap-AB: a CTA owns 128 weight rows (two math warpgroups x 64, wgmma's M side) and a tile
-// of BT tokens (wgmma's N side, 8..128), so no tensor-core work pads a handful of tokens up to
-// 64 rows. Split-K: blockIdx.z takes a contiguous range of 128-wide K blocks, so every SM
-// streams weights even when N is small.
+// Swap-AB: a CTA owns kRows weight rows (wgmma's M side) and a tile of BT tokens (wgmma's N
+// side, 8..128), so no tensor-core work pads a handful of tokens up to 64 rows. 128 rows: the
+// two math warpgroups take 64 each; 64 rows (twice the CTAs for the same weights, so fewer K
+// splits): the two warpgroups take alternate K blocks of the same rows and add their partials
+// in shared memory. Split-K: blockIdx.z takes a contiguous range of 128-wide K blocks, so
+// every SM streams weights even when N is small.
 //   producer warp:   TMA of 128x128 weight tiles into a `stages`-deep ring (evict-first: read
 //                    once), started before griddepcontrol.wait so it overlaps the previous
 //                    kernel's tail under programmatic dependent launch;
@@ -30,8 +32,7 @@
 
 namespace fp8l {
 
-constexpr int kDecodeRows = 128;                   // weight rows per CTA
-constexpr int kDecodeWTile = kDecodeRows * kBlockK;  // bytes of one weight stage
+constexpr int kDecodeMaxRows = 128;  // weight rows per CTA: 128, or 64
 
 struct DecodeLayout {
   int stage, x, xs, ws, bar, flag, total;
@@ -40,14 +41,14 @@ struct DecodeLayout {
 // Each ring stage carries its K block's weight tile and (fp8 input) its activation tile,
 // swizzled for wgmma; fused, the quantized activations stay resident after the ring, one
 // [BT x 128] fp8 tile per K block of the CTA's range.
-__host__ __device__ inline DecodeLayout decode_layout(int bt, int kbs, int stages, bool per_row,
-                                                      bool fused) {
+__host__ __device__ inline DecodeLayout decode_layout(int rows, int bt, int kbs, int stages,
+                                                      bool per_row, bool fused) {
   DecodeLayout l;
-  l.stage = kDecodeWTile + (fused ? 0 : bt * kBlockK);  // multiples of 1024 (bt >= 8)
+  l.stage = rows * kBlockK + (fused ? 0 : bt * kBlockK);  // multiples of 1024 (bt >= 8)
   l.x = stages * l.stage;
   l.xs = l.x + (fused ? kbs * bt * kBlockK : 0);
   l.ws = l.xs + kbs * bt * 4;            // per-token scales [kbs][BT]
-  l.bar = l.ws + kbs * (per_row ? kDecodeRows : 1) * 4;
+  l.bar = l.ws + kbs * (per_row ? rows : 1) * 4;
   l.bar = (l.bar + 7) & ~7;
   l.flag = l.bar + 2 * stages * 8;       // full[stages], empty[stages]
   l.total = l.flag + 16;
@@ -67,9 +68,10 @@ struct DecodeParams {
   int* counters;
   int M, N, K, num_kb, splits, stages;
   int cluster_reduce;    // the splits of a tile are one cluster (along z): reduce in DSMEM
+  int early_trigger;     // PDL: let the next kernel launch at our start, not after the prologue
 };
 
-template <int BT, bool kPerRow, typename OutT, int kCtasPerSM>
+template <int BT, int kRows, bool kPerRow, typename OutT, int kCtasPerSM>
 __global__ void __launch_bounds__(384, kCtasPerSM)
     fp8_decode_kernel(const __grid_constant__ CUtensorMap tmap_w,
                       const __grid_constant__ CUtensorMap tmap_x,  // fp8 activations (kInFP8)
@@ -84,8 +86,12 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
   const int kb0 = split * base + min(split, rem);
   const int kbs = base + (split < rem ? 1 : 0);
   const bool fused = p.x_dtype != kInFP8;
+  // 64 rows: warpgroup w takes the K blocks i = w mod 2 of the range (its own wgmma chain)
+  constexpr bool kSplitWG = kRows == 64;
+  static_assert(kRows == 128 || (kRows == 64 && BT <= 32), "64-row CTAs: token tiles <= 32");
+  constexpr int kWTile = kRows * kBlockK;  // bytes of one weight stage
   const DecodeLayout L =
-      decode_layout(BT, (p.num_kb + p.splits - 1) / p.splits, p.stages, kPerRow, fused);
+      decode_layout(kRows, BT, (p.num_kb + p.splits - 1) / p.splits, p.stages, kPerRow, fused);
   uint8_t* sW = smem;            // stage s at sW + s * L.stage: weights, then (fp8) activations
   uint8_t* sX = smem + L.x;      // fused: resident quantized tiles, K block i at i * BT * 128
   float* sXS = reinterpret_cast<float*>(smem + L.xs);
@@ -94,7 +100,7 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
   uint64_t* empty = full + p.stages;
   int* flag = reinterpret_cast<int*>(smem + L.flag);
 
-  const int n0 = blockIdx.x * kDecodeRows;
+  const int n0 = blockIdx.x * kRows;
   const int m0 = blockIdx.y * BT;
   const int wg = threadIdx.x / 128;
   const int lane = threadIdx.x % 32;
@@ -103,13 +109,16 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
   if (threadIdx.x == 0) {
     for (int s = 0; s < p.stages; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 8);  // the 8 math warps
+      mbar_init(&empty[s], kSplitWG ? 4 : 8);  // the math warps that read stage s
     }
     fence_barrier_init();
     tma_prefetch_desc(&tmap_w);
     if (!fused) tma_prefetch_desc(&tmap_x);  // (unset when fused)
   }
   __syncthreads();
+  // The next kernel waits for our completion (griddepcontrol.wait) before it reads our output,
+  // so letting it launch early is always safe: its CTAs only take the SM room ours leave.
+  if (p.early_trigger) pdl_launch_dependents();
 
   if (wg == 2) {
     // ------------------------------------------------------------------ producer warpgroup
@@ -131,10 +140,10 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
           // previous kernel, so wait for it before loading them (rows past M read as zero).
           pdl_wait();
           for (int j = 0; j < first; ++j)
-            tma_load_2d(sW + j * L.stage + kDecodeWTile, &tmap_x, &full[j],
+            tma_load_2d(sW + j * L.stage + kWTile, &tmap_x, &full[j],
                         (kb0 + j) * kBlockK, m0, keep);
         } else if (i >= first) {
-          tma_load_2d(sW + s * L.stage + kDecodeWTile, &tmap_x, &full[s], (kb0 + i) * kBlockK,
+          tma_load_2d(sW + s * L.stage + kWTile, &tmap_x, &full[s], (kb0 + i) * kBlockK,
                       m0, keep);
         }
       }
@@ -153,13 +162,13 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
   // the weight scales of this K range: not written by the previous kernel, so loaded before
   // waiting for it
   if constexpr (kPerRow) {
-    for (int e = tid; e < kbs * kDecodeRows; e += 256) {
-      const int i = e / kDecodeRows, r = e % kDecodeRows;
+    for (int e = tid; e < kbs * kRows; e += 256) {
+      const int i = e / kRows, r = e % kRows;
       sWS[e] = n0 + r < p.N ? __ldg(p.w_scale + size_t(n0 + r) * p.num_kb + kb0 + i) : 0.f;
     }
   } else {
     for (int i = tid; i < kbs; i += 256)
-      sWS[i] = __ldg(p.w_scale + size_t(n0 / kDecodeRows) * p.num_kb + kb0 + i);
+      sWS[i] = __ldg(p.w_scale + size_t(n0 / kDecodeMaxRows) * p.num_kb + kb0 + i);
   }
   pdl_wait();                   // activations come from the previous kernel
   if (fused) {
@@ -231,7 +240,7 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
   }
   fence_proxy_async_smem();  // the fp8 tiles are read by wgmma (async proxy)
   named_barrier(1, 256);
-  pdl_launch_dependents();   // the next kernel may start streaming its weights
+  if (!p.early_trigger) pdl_launch_dependents();  // the next kernel may stream its weights
 
   // 2. main loop
   using Mma = WgmmaFp8<BT>;
@@ -241,12 +250,13 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
   for (int i = 0; i < kRegs; ++i) acc[i] = 0.f;
   const int r0 = (warp % 4) * 16 + lane / 4;  // accumulator rows r0, r0 + 8 (weight rows)
   const int cq = 2 * (lane % 4);              // accumulator cols 8j + cq, +1 (tokens)
-  for (int i = 0; i < kbs; ++i) {
+  const int wrow = kSplitWG ? 0 : wg * 64;    // this warpgroup's first row of the CTA's
+  for (int i = kSplitWG ? wg : 0; i < kbs; i += kSplitWG ? 2 : 1) {
     const int s = i % p.stages;
     mbar_wait(&full[s], (i / p.stages) & 1);
-    const uint64_t da = make_smem_desc_sw128(sW + s * L.stage + wg * 64 * kBlockK);
+    const uint64_t da = make_smem_desc_sw128(sW + s * L.stage + wrow * kBlockK);
     const uint64_t db = make_smem_desc_sw128(fused ? sX + i * BT * kBlockK
-                                                   : sW + s * L.stage + kDecodeWTile);
+                                                   : sW + s * L.stage + kWTile);
 #pragma unroll
     for (int r = 0; r < kRegs; ++r) fence_operand(part[r]);
     wgmma_fence();
@@ -260,8 +270,8 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
     if (lane == 0) mbar_arrive(&empty[s]);
     float w0, w1;
     if constexpr (kPerRow) {
-      w0 = sWS[i * kDecodeRows + wg * 64 + r0];
-      w1 = sWS[i * kDecodeRows + wg * 64 + r0 + 8];
+      w0 = sWS[i * kRows + wrow + r0];
+      w1 = sWS[i * kRows + wrow + r0 + 8];
     } else {
       w0 = w1 = sWS[i];
     }
@@ -276,6 +286,24 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
     }
   }
 
+  // 64 rows: warpgroup 0 adds warpgroup 1's partial (same rows, alternate K blocks), passed
+  // through the ring (free once both have read their last stage), and alone writes the result
+  // below; warpgroup 1 still takes part in the barriers and the final reductions.
+  const bool writer = !kSplitWG || wg == 0;
+  if constexpr (kSplitWG) {
+    float* x = reinterpret_cast<float*>(smem) + (tid % 128);  // [kRegs][128 threads]
+    named_barrier(1, 256);
+    if (wg == 1) {
+#pragma unroll
+      for (int r = 0; r < kRegs; ++r) x[r * 128] = acc[r];
+    }
+    named_barrier(1, 256);
+    if (wg == 0) {
+#pragma unroll
+      for (int r = 0; r < kRegs; ++r) acc[r] += x[r * 128];
+    }
+  }
+
   // 3. epilogue
   OutT* out = static_cast<OutT*>(p.out);
   const OutT* bias = static_cast<const OutT*>(p.bias);
@@ -283,11 +311,12 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
     return p.bias_f32 ? static_cast<const float*>(p.bias)[n] : to_f(bias[n]);
   };
   if (p.splits == 1) {
+    if (!writer) return;
 #pragma unroll
     for (int j = 0; j < kRegs / 4; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int n = n0 + wg * 64 + r0 + (e >= 2 ? 8 : 0);
+        const int n = n0 + wrow + r0 + (e >= 2 ? 8 : 0);
         const int m = m0 + 8 * j + cq + (e & 1);
         if (m < p.M && n < p.N) {
           const float b = bias != nullptr ? bias_at(n) : 0.f;
@@ -300,7 +329,7 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
   // 4 consecutive weight rows (n, N % 8: all 4 or none) of token row c of the tile, reduced
   auto store4 = [&](int e4, float4 sum) {
     const int e = e4 * 4;
-    const int c = e / kDecodeRows, r = e % kDecodeRows;
+    const int c = e / kRows, r = e % kRows;
     const int m = m0 + c, n = n0 + r;
     if (m >= p.M || n >= p.N) return;
     float o[4] = {sum.x, sum.y, sum.z, sum.w};
@@ -313,17 +342,18 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
     packed.y = OutTraits<OutT>::pack(o[2], o[3]);
     *reinterpret_cast<uint2*>(out + size_t(m) * p.N + n) = packed;
   };
-  constexpr int kTile4 = BT * kDecodeRows / 4;  // float4s of a partial tile
+  constexpr int kTile4 = BT * kRows / 4;  // float4s of a partial tile
   if (p.cluster_reduce) {
-    // Both warpgroups' wgmmas have read their last stage: the ring holds the partial tile
-    // [BT tokens][128 rows] (the host checks that it fits).
+    // Both warpgroups' wgmmas have read their last stage (and, 64 rows, the exchange above is
+    // done): the ring holds the partial tile [BT tokens][kRows] (the host checks that it fits).
     named_barrier(1, 256);
     float* mine = reinterpret_cast<float*>(smem);
 #pragma unroll
     for (int j = 0; j < kRegs / 4; ++j) {
+      if (!writer) break;
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        mine[(8 * j + cq + (e & 1)) * kDecodeRows + wg * 64 + r0 + (e >= 2 ? 8 : 0)] =
+        mine[(8 * j + cq + (e & 1)) * kRows + wrow + r0 + (e >= 2 ? 8 : 0)] =
             acc[4 * j + e];
     }
     cluster_sync();  // release / acquire: every split's partial is visible to the cluster
@@ -351,15 +381,16 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
   }
   const int tiles = gridDim.x * gridDim.y;
   const int tile = blockIdx.y * gridDim.x + blockIdx.x;
-  // partial tile [BT tokens][128 rows] of this split
-  float* mine = p.workspace + (size_t(split) * tiles + tile) * BT * kDecodeRows;
+  // partial tile [BT tokens][kRows] of this split
+  float* mine = p.workspace + (size_t(split) * tiles + tile) * BT * kRows;
 #pragma unroll
   for (int j = 0; j < kRegs / 4; ++j) {
+    if (!writer) break;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int r = wg * 64 + r0 + (e >= 2 ? 8 : 0);
+      const int r = wrow + r0 + (e >= 2 ? 8 : 0);
       const int c = 8 * j + cq + (e & 1);
-      mine[c * kDecodeRows + r] = acc[4 * j + e];
+      mine[c * kRows + r] = acc[4 * j + e];
     }
   }
   __threadfence();

@@ -92,7 +92,7 @@ def sm90_shape_ok(n: int, k: int) -> bool:
 # --------------------------------------------------------------------------- sm90 plans
 SM90_DECODE_TILES = (8, 16, 32, 64, 128)  # token tile of decode config i = 8 << i
 SM90_DECODE_MAX_M = 32
-SM90_DECODE_ROWS = 128                     # weight rows per decode CTA
+SM90_DECODE_ROWS = (128, 64)               # weight rows per decode CTA (64: token tiles <= 32)
 # The decode kernel quantizes the activations itself for up to 16 tokens and short enough
 # slices (see sm90_fuse_quant).
 SM90_FUSE_QUANT_MAX_M = SM90_DECODE_TILES[1]
@@ -104,18 +104,20 @@ SM90_DECODE_SMEM = {1: 232448, 2: 115712}
 
 SM90_DECODE_TWO_PER_SM_MAX_BT = 32
 _FORCE_DECODE_CTAS = "FP8LINEAR_SM90_DECODE_CTAS"
+# (dev knobs for sweeps: the decode CTA's weight rows, 64 or 128, and its K split count)
+_FORCE_DECODE_ROWS = "FP8LINEAR_SM90_DECODE_ROWS"
+_FORCE_DECODE_SPLITS = "FP8LINEAR_SM90_DECODE_SPLITS"
 # Token count up to which the split-K decode kernel runs (default SM90_DECODE_MAX_M; up to
 # 256 with 128-token tiles): benchmarks compare it with the large-M tiles at mid M.
 _DECODE_MAX_M = "FP8LINEAR_SM90_DECODE_MAX_M"
 
 
-def _decode_ctas_per_sm(bt: int, kbs: int) -> int:
-    forced = os.environ.get(_FORCE_DECODE_CTAS)
+def _decode_ctas_per_sm(bt: int, kbs: int, rows: int, forced: str | None) -> int:
     if forced:
         if forced not in ("1", "2"):
             raise ValueError(f"{_FORCE_DECODE_CTAS}={forced!r}: expected 1 or 2")
         # (the scale state must still leave a ring of >= 2 stages in half the memory)
-        fits = bt <= SM90_DECODE_TWO_PER_SM_MAX_BT and kbs * (bt + SM90_DECODE_ROWS) * 4 <= 65536
+        fits = bt <= SM90_DECODE_TWO_PER_SM_MAX_BT and kbs * (bt + rows) * 4 <= 65536
         return 2 if forced == "2" and fits else 1
     # Two CTAs an SM (half the shared memory, 80 registers a thread: token tiles <= 32 only)
     # leave room for the next GEMM's CTAs beside ours, so under PDL they stream their weights
@@ -129,6 +131,22 @@ def _decode_ctas_per_sm(bt: int, kbs: int) -> int:
     if bt <= SM90_DECODE_TWO_PER_SM_MAX_BT and kbs <= 16:
         return 2
     return 1
+
+
+def _decode_rows(tiles64: int, num_sms: int) -> int:
+    # 64 weight rows a CTA (the two math warpgroups on alternate K blocks) give twice the CTAs
+    # of 128, so the same SMs stream with half the K splits, or none: no split reduction at
+    # the end of the kernel (its write / fence / count / read chain is ~2 us). Worth it while
+    # the 64-row tiles fit in one wave; past that, a second partial wave costs more
+    # (10240x8192: 160 tiles, 38.0 vs 33.5 us; 28672x4096 44.8 vs 40.0), unless there are so
+    # many waves that the finer last one wins (57344x8192, 896 tiles: 158.4 vs 161.5).
+    # Measured at M = 1/8/16, H100, results/2026-11-23_decode_rows64_sweep_h100.log, back to
+    # back: 7168x2048 7.74 -> 5.13 us, 4096x7168 14.05 -> 11.65, 6144x4096 12.17 -> 10.10,
+    # 4096^2 9.01 -> 8.35, 8192^2 23.6 -> 22.6; with an elementwise kernel between GEMMs
+    # 0.4-1.3 us less on the same shapes.
+    if tiles64 <= num_sms or tiles64 >= 6 * num_sms:
+        return 64
+    return 128
 
 
 def _switch(name: str) -> str | None:
@@ -191,7 +209,7 @@ def sm90_fuse_quant(m: int, k: int, plan) -> bool:
     v = _switch(_FUSE_QUANT)
     if plan[0] != "decode" or m > SM90_FUSE_QUANT_MAX_M or v == "0":
         return False
-    _, config, splits, ctas = plan
+    _, config, splits, ctas, _ = plan
     kbs = cdiv(cdiv(k, BLOCK), splits)  # K blocks a CTA
     if kbs * SM90_DECODE_TILES[config] * BLOCK > SM90_DECODE_SMEM[ctas] // 4:
         return False
@@ -246,13 +264,25 @@ def forced_gemm_config() -> int | None:
 
 
 def sm90_plan(m: int, n: int, k: int, num_sms: int):
-    """-> ("decode", config, splits, ctas_per_sm) or ("gemm", config). fp8_linear asks
+    """-> ("decode", config, splits, ctas_per_sm, rows) or ("gemm", config). fp8_linear asks
     sm90_fuse_quant whether a decode plan also quantizes the activations itself."""
     forced = forced_gemm_config()
     if forced is not None:
         return ("gemm", forced)
-    # (the decode CTA count per SM and the decode range can be set too: part of the cache key)
-    return _sm90_plan(m, n, k, num_sms, os.environ.get(_FORCE_DECODE_CTAS), decode_max_m())
+    # (the decode CTA count per SM, rows, splits and range can be set too: part of the cache key)
+    env = os.environ.get
+    return _sm90_plan(m, n, k, num_sms, decode_max_m(), env(_FORCE_DECODE_CTAS),
+                      _forced_int(_FORCE_DECODE_ROWS, SM90_DECODE_ROWS),
+                      _forced_int(_FORCE_DECODE_SPLITS, range(1, 1025)))
+
+
+def _forced_int(name: str, allowed) -> int | None:
+    v = os.environ.get(name) or None
+    if v is None:
+        return None
+    if not v.isdigit() or int(v) not in allowed:
+        raise ValueError(f"{name}={v!r}: expected one of {allowed}")
+    return int(v)
 
 
 def decode_max_m() -> int:
@@ -266,15 +296,15 @@ def decode_max_m() -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def _sm90_plan(m: int, n: int, k: int, num_sms: int, _forced_ctas=None,
-               decode_max: int = SM90_DECODE_MAX_M):
+def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECODE_MAX_M,
+               forced_ctas=None, forced_rows=None, forced_splits=None):
     # Cached: the same shapes repeat every step.
     num_kb = cdiv(k, BLOCK)
     # 64x64 tiles of the large-M kernel: twice the CTAs of 64x128, for the middle of the M
     # range where too few tiles would leave SMs idle; only while they fit in one wave.
     tiles64 = cdiv(m, 64) * cdiv(n, 64)
     if (SM90_DECODE_TILES[1] < m <= min(SM90_DECODE_TILES[2], decode_max) and num_kb <= 32
-            and tiles64 <= num_sms):
+            and tiles64 <= num_sms and forced_rows is None):
         # 17-32 tokens over a short K: one wave of 64x64 tiles beats the split-K decode
         # kernel's 32-token tiles (H100, M=32, results/2026-11-23_midm_sweep_h100.log: 4096^2
         # 9.3 vs 10.0 us, 7168x2048 8.0 vs 8.6, 6144x4096 12.1 vs 13.9); with more K blocks
@@ -288,14 +318,18 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, _forced_ctas=None,
         config = next((i for i, t in enumerate(SM90_DECODE_TILES) if t >= m),
                       len(SM90_DECODE_TILES) - 1)
         bt = SM90_DECODE_TILES[config]
-        tiles = cdiv(n, SM90_DECODE_ROWS) * cdiv(m, bt)
+        rows = forced_rows or _decode_rows(cdiv(n, 64) * cdiv(m, bt), num_sms)
+        if bt > SM90_DECODE_TWO_PER_SM_MAX_BT:
+            rows = 128
+        tiles = cdiv(n, rows) * cdiv(m, bt)
         # Split K until every SM streams weights; the largest split count that still fits in
         # one wave (tiles * splits <= SMs) avoids a second, mostly idle wave.
-        splits = max(1, min(num_kb, num_sms // tiles))
+        splits = forced_splits or max(1, min(num_kb, num_sms // tiles))
         # Shared memory holds the token scales of the CTA's whole K range (<= 32 KB).
         max_kb = 32768 // (bt * 4)
         splits = min(max(splits, cdiv(num_kb, max_kb)), num_kb)
-        return ("decode", config, splits, _decode_ctas_per_sm(bt, cdiv(num_kb, splits)))
+        ctas = _decode_ctas_per_sm(bt, cdiv(num_kb, splits), rows, forced_ctas)
+        return ("decode", config, splits, ctas, rows)
     # From 33 tokens the large-M kernel's 64-row tiles beat the decode kernel's 64-token
     # tiles nearly everywhere (H100, M=64, results/2026-11-23_midm_sweep_h100.log: 24576x1536
     # 16.8 vs 20.1 us, 32768x512 8.9 vs 11.2, 57344x8192 168 vs 177, 8192x28672 83.1 vs 86.9,

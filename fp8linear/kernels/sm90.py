@@ -57,6 +57,16 @@ def _pdl() -> bool:
     return os.environ.get("FP8LINEAR_PDL", "1") != "0"
 
 
+def _early_trigger() -> bool:
+    # The decode kernel lets the next kernel launch (PDL) as soon as it starts rather than
+    # after its prologue, so a following decode GEMM's CTAs take the SM room ours leave and
+    # stream their weights during our K loop. Measured back to back (H100, M = 1-16,
+    # results/2026-11-23_decode_rows64_sweep_h100.log): 2112x7168 9.1 -> 7.2 us, 4096^2
+    # 8.35 -> 7.8, 32768x512 6.95 -> 6.33; +0.3 on 7168x2048 (64 rows); nothing after a
+    # kernel without PDL. FP8LINEAR_SM90_DECODE_EARLY_TRIGGER=0 turns it off.
+    return os.environ.get("FP8LINEAR_SM90_DECODE_EARLY_TRIGGER", "1") != "0"
+
+
 # FP8LINEAR_LOG_DISPATCH=1: print each distinct dispatch decision once (to stderr), e.g. to see
 # which kernel every layer of a served model runs. Read once; off costs one bool test a call.
 _LOG_DISPATCH = os.environ.get("FP8LINEAR_LOG_DISPATCH", "0") not in ("", "0")
@@ -90,10 +100,10 @@ def _fallback():
     return triton_gemm
 
 
-def _decode(x, x_scale, w, w_scale, bias, out, config, splits, ctas_per_sm):
+def _decode(x, x_scale, w, w_scale, bias, out, config, splits, ctas_per_sm, rows):
     m, n = out.shape
     per_row = has_row_scales(w_scale, n)
-    bt, rows = heuristics.SM90_DECODE_TILES[config], heuristics.SM90_DECODE_ROWS
+    bt = heuristics.SM90_DECODE_TILES[config]
     tiles = cdiv(n, rows) * cdiv(m, bt)
     cluster = heuristics.sm90_decode_cluster_reduce(config, splits, ctas_per_sm)
     if splits > 1 and not cluster:
@@ -101,8 +111,8 @@ def _decode(x, x_scale, w, w_scale, bias, out, config, splits, ctas_per_sm):
     else:
         ws = torch.empty(0, dtype=torch.float32, device=x.device)
     build.load().decode(x, x_scale, w, w_scale, per_row, _bias(bias, out), out, ws,
-                        _tile_counters(x.device, tiles), config, splits, ctas_per_sm, _pdl(),
-                        cluster)
+                        _tile_counters(x.device, tiles), config, rows, splits, ctas_per_sm,
+                        _pdl(), _early_trigger(), cluster)
 
 
 def _gemm(a, a_scale_t, w, w_scale, bias, out, config):

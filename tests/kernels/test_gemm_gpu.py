@@ -456,9 +456,35 @@ def test_sm90_decode_ctas_per_sm(ctas, cluster, monkeypatch):
         m, n, k = case["m"], case["n"], case["k"]
         plan = heuristics.sm90_plan(m, n, k, 132)
         assert plan[0] == "decode" and plan[3] == ctas, plan
-        clustered += heuristics.sm90_decode_cluster_reduce(*plan[1:])
+        clustered += heuristics.sm90_decode_cluster_reduce(*plan[1:4])
         _check_case(case, f"sm90 decode ctas={ctas} cluster={cluster} {_case_id(case)}")
     assert (clustered > 0) == (cluster == "1"), clustered
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,ctas,cluster,splits", [
+    (64, 1, "0", ""), (64, 2, "0", ""), (64, 2, "1", ""), (64, 2, "0", "1"),
+    (64, 1, "0", "3"), (64, 2, "1", "2"), (128, 2, "0", "3")])
+def test_sm90_decode_rows_and_splits(rows, ctas, cluster, splits, monkeypatch):
+    """Decode CTAs of 64 weight rows (the two math warpgroups take alternate K blocks and add
+    their partials in shared memory) and forced split counts, with the reduction through the
+    workspace or a cluster, and the early PDL trigger; M 1..32 (K ranges of one block
+    included: warpgroup 1 then adds nothing)."""
+    _select("sm90", monkeypatch)
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_ROWS", str(rows))
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CTAS", str(ctas))
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CLUSTER", cluster)
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_SPLITS", splits)
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_EARLY_TRIGGER", "1" if splits else "0")
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_MAX_M", "32")
+    cases = [c for c in _sm90_only(gen_cases("sm90", count=400, seed=500 + rows + ctas))
+             if c["m"] <= 32 and c["k"] <= 8192
+             and heuristics.sm90_plan(c["m"], c["n"], c["k"], 132)[0] == "decode"][:16]
+    for case in cases:
+        plan = heuristics.sm90_plan(case["m"], case["n"], case["k"], 132)
+        assert plan[4] == rows, plan
+        assert not splits or plan[2] in (int(splits), heuristics.cdiv(case["k"], 128)), plan
+        _check_case(case, f"sm90 decode {plan} cluster={cluster} {_case_id(case)}")
 
 
 @pytest.mark.gpu

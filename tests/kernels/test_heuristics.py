@@ -47,16 +47,36 @@ def test_forced_gemm_config(monkeypatch):
         h.sm90_plan(1, 4096, 4096, SMS)
 
 
-@pytest.mark.parametrize("m,n,k,tile,splits,ctas", [
-    (1, 4096, 4096, 0, 4, 2),       # 8 K blocks a CTA: two CTAs an SM
-    (1, 2112, 7168, 0, 7, 2),
-    (1, 7168, 16384, 0, 2, 1),      # 64 K blocks a CTA: one CTA an SM
-    (16, 4096, 4096, 1, 4, 2),
-    (32, 2112, 7168, 2, 7, 2),      # 56 K blocks: the decode kernel, not 64x64 tiles
-    (32, 8192, 8192, 2, 2, 1),      # 64 K blocks a CTA: one CTA an SM
+@pytest.mark.parametrize("m,n,k,tile,splits,ctas,rows", [
+    (1, 4096, 4096, 0, 2, 2, 64),    # 64 tiles of 64 rows, 2 splits of 16 K blocks: two CTAs an SM
+    (1, 2112, 7168, 0, 4, 2, 64),    # 33 tiles x 4 splits
+    (1, 7168, 16384, 0, 1, 1, 64),   # 112 tiles: no split; 128 K blocks a CTA: one CTA an SM
+    (1, 6144, 4096, 0, 1, 1, 64),    # 96 tiles, no split
+    (16, 4096, 4096, 1, 2, 2, 64),
+    (32, 2112, 7168, 2, 4, 2, 64),   # 56 K blocks: the decode kernel, not 64x64 tiles
+    (32, 8192, 8192, 2, 1, 1, 64),   # 128 tiles, 64 K blocks a CTA: one CTA an SM
+    (1, 10240, 8192, 0, 1, 1, 128),  # 160 tiles of 64 rows would spill into a second wave
+    (1, 28672, 4096, 0, 1, 1, 128),  # 224 tiles of 128 (448 of 64)
+    (1, 57344, 8192, 0, 1, 1, 64),   # 896 tiles of 64: so many waves that the finer tail wins
 ])
-def test_decode_plans(m, n, k, tile, splits, ctas):
-    assert h.sm90_plan(m, n, k, SMS) == ("decode", tile, splits, ctas)
+def test_decode_plans(m, n, k, tile, splits, ctas, rows):
+    assert h.sm90_plan(m, n, k, SMS) == ("decode", tile, splits, ctas, rows)
+
+
+def test_decode_rows_and_splits_forced(monkeypatch):
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_ROWS", "128")
+    assert h.sm90_plan(1, 4096, 4096, SMS) == ("decode", 0, 4, 2, 128)
+    assert h.sm90_plan(32, 4096, 4096, SMS)[0] == "decode"   # not the 64x64 tiles
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_ROWS", "64")
+    assert h.sm90_plan(1, 10240, 8192, SMS) == ("decode", 0, 1, 1, 64)
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_MAX_M", "64")
+    assert h.sm90_plan(64, 2112, 7168, SMS)[4] == 128      # 64-token tiles: 128 rows only
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_SPLITS", "3")
+    assert h.sm90_plan(1, 4096, 4096, SMS)[2] == 3
+    assert h.sm90_plan(1, 4096, 256, SMS)[2] == 2           # never more than the K blocks
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_ROWS", "96")
+    with pytest.raises(ValueError, match="FP8LINEAR_SM90_DECODE_ROWS"):
+        h.sm90_plan(1, 4096, 4096, SMS)
 
 
 def test_decode_ctas_forced(monkeypatch):
@@ -74,12 +94,12 @@ def test_decode_ctas_forced(monkeypatch):
 
 
 @pytest.mark.parametrize("m,n,k,cluster", [
-    (1, 4096, 4096, False),         # 4 splits: the cluster launch costs more than it saves
-    (1, 2112, 7168, False),         # 7 splits
-    (16, 7168, 2048, True),         # 2 splits, 16-token tiles, two CTAs an SM
-    (1, 6144, 4096, True),
-    (1, 7168, 16384, False),        # one CTA an SM: clusters would strand SMs per GPC
-    (1, 24576, 1536, False),        # one split: nothing to reduce
+    (1, 4096, 4096, True),          # 2 splits, two CTAs an SM
+    (16, 4096, 4096, True),
+    (1, 2112, 7168, False),         # 4 splits: the cluster launch costs more than it saves
+    (1, 4096, 14336, False),        # 2 splits, one CTA an SM: clusters would strand SMs per GPC
+    (16, 7168, 2048, False),        # one split (64-row tiles): nothing to reduce
+    (1, 24576, 1536, False),        # one split
     (1, 256, 4096, False),          # 32 splits: more than a cluster holds
     (64, 2112, 7168, False),        # 64-token tiles (FP8LINEAR_SM90_DECODE_MAX_M=64): one
 ])                                  # CTA an SM
@@ -87,29 +107,29 @@ def test_decode_cluster_reduce(m, n, k, cluster, monkeypatch):
     monkeypatch.setenv("FP8LINEAR_SM90_DECODE_MAX_M", "64")
     plan = h.sm90_plan(m, n, k, SMS)
     assert plan[0] == "decode"
-    assert h.sm90_decode_cluster_reduce(*plan[1:]) is cluster
+    assert h.sm90_decode_cluster_reduce(*plan[1:4]) is cluster
     monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CLUSTER", "0")
-    assert h.sm90_decode_cluster_reduce(*plan[1:]) is False
+    assert h.sm90_decode_cluster_reduce(*plan[1:4]) is False
     monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CLUSTER", "1")
     # forced on wherever a cluster can hold the splits (2..8) and the tile is <= 32 tokens
-    assert h.sm90_decode_cluster_reduce(*plan[1:]) is (2 <= plan[2] <= 8 and plan[1] <= 2)
+    assert h.sm90_decode_cluster_reduce(*plan[1:4]) is (2 <= plan[2] <= 8 and plan[1] <= 2)
     monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CLUSTER", "yes")
     with pytest.raises(ValueError, match="FP8LINEAR_SM90_DECODE_CLUSTER='yes'"):
-        h.sm90_decode_cluster_reduce(*plan[1:])
+        h.sm90_decode_cluster_reduce(*plan[1:4])
 
 
 @pytest.mark.parametrize("m,k,plan,fused", [
-    (1, 4096, ("decode", 0, 2, 2), True),         # 16 K blocks a CTA, one token
-    (4, 3072, ("decode", 0, 2, 2), True),         # 4 x 12 = 48 groups: the limit
-    (4, 3584, ("decode", 0, 2, 2), False),        # 4 x 14 groups
-    (8, 4096, ("decode", 0, 4, 2), True),         # 8 tokens x 8 blocks
-    (8, 4096, ("decode", 0, 2, 2), False),        # 8 x 16 groups
-    (16, 2048, ("decode", 1, 4, 2), False),       # 16 x 4 groups
-    (12, 1024, ("decode", 1, 2, 2), True),        # 12 x 4 groups
-    (1, 4096, ("decode", 0, 1, 1), True),         # 32 blocks: a 32 KB slice, one CTA an SM
-    (1, 8192, ("decode", 0, 1, 1), False),        # 64 blocks: the slice would crowd the ring
-    (1, 7680, ("decode", 0, 1, 2), False),        # 60 blocks, two CTAs an SM
-    (17, 1024, ("decode", 2, 1, 2), False),       # over 16 tokens: the quant kernel
+    (1, 4096, ("decode", 0, 2, 2, 128), True),         # 16 K blocks a CTA, one token
+    (4, 3072, ("decode", 0, 2, 2, 128), True),         # 4 x 12 = 48 groups: the limit
+    (4, 3584, ("decode", 0, 2, 2, 128), False),        # 4 x 14 groups
+    (8, 4096, ("decode", 0, 4, 2, 128), True),         # 8 tokens x 8 blocks
+    (8, 4096, ("decode", 0, 2, 2, 128), False),        # 8 x 16 groups
+    (16, 2048, ("decode", 1, 4, 2, 128), False),       # 16 x 4 groups
+    (12, 1024, ("decode", 1, 2, 2, 128), True),        # 12 x 4 groups
+    (1, 4096, ("decode", 0, 1, 1, 128), True),         # 32 blocks: a 32 KB slice, one CTA an SM
+    (1, 8192, ("decode", 0, 1, 1, 128), False),        # 64 blocks: the slice would crowd the ring
+    (1, 7680, ("decode", 0, 1, 2, 128), False),        # 60 blocks, two CTAs an SM
+    (17, 1024, ("decode", 2, 1, 2, 128), False),       # over 16 tokens: the quant kernel
     (1, 4096, ("gemm", 0), False),
 ])
 def test_fuse_quant_only_small_slices(m, k, plan, fused, monkeypatch):

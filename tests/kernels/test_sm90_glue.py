@@ -24,11 +24,11 @@ class Recorder:
     def quant(self, x, q, scale_t):
         self.calls.append(("quant", dict(x=x, q=q, scale_t=scale_t)))
 
-    def decode(self, x, x_scale, w, w_scale, per_row, bias, out, ws, counters, config, splits,
-               ctas_per_sm, pdl, cluster):
+    def decode(self, x, x_scale, w, w_scale, per_row, bias, out, ws, counters, config, rows,
+               splits, ctas_per_sm, pdl, early_trigger, cluster):
         self.calls.append(("decode", dict(x=x, x_scale=x_scale, ws=ws, config=config,
-                                          splits=splits, ctas=ctas_per_sm, pdl=pdl,
-                                          cluster=cluster)))
+                                          rows=rows, splits=splits, ctas=ctas_per_sm, pdl=pdl,
+                                          early=early_trigger, cluster=cluster)))
 
 
 @pytest.fixture
@@ -38,7 +38,8 @@ def ext(monkeypatch):
     monkeypatch.setattr(sm90, "_num_sms", lambda index: 132)
     for knob in ("FP8LINEAR_PDL", "FP8LINEAR_SM90_DECODE_CLUSTER", "FP8LINEAR_SM90_FUSE_QUANT",
                  "FP8LINEAR_SM90_GEMM_CONFIG", "FP8LINEAR_SM90_DECODE_MAX_M",
-                 "FP8LINEAR_SM90_DECODE_CTAS"):
+                 "FP8LINEAR_SM90_DECODE_CTAS", "FP8LINEAR_SM90_DECODE_ROWS",
+                 "FP8LINEAR_SM90_DECODE_SPLITS", "FP8LINEAR_SM90_DECODE_EARLY_TRIGGER"):
         monkeypatch.delenv(knob, raising=False)
     return rec
 
@@ -90,27 +91,30 @@ def test_linear_large_m_quantizes_then_gemm_on_the_quant_kernels_layout(ext):
 
 
 def test_linear_fused_decode_passes_raw_activations(ext):
-    m, n, k = 1, 7168, 2048        # two splits, two CTAs an SM: fused, cluster reduction
+    m, n, k = 1, 4096, 4096        # 64-row tiles, two splits, two CTAs an SM: fused, cluster
     x, _, _, w, ws = _operands(m, n, k)
     sm90.linear(x, w, ws, None, _out(m, n))
     (kind, d), = ext.calls
     assert kind == "decode" and d["x"] is x and d["x_scale"] is None
-    assert (d["splits"], d["ctas"], d["cluster"], d["pdl"]) == (2, 2, True, True)
+    assert (d["rows"], d["splits"], d["ctas"], d["cluster"]) == (64, 2, 2, True)
+    assert d["pdl"] is True and d["early"] is True
     assert d["ws"].numel() == 0    # the cluster reduces in shared memory: no workspace
 
 
 def test_decode_workspace_when_not_clustered(ext, monkeypatch):
-    m, n, k = 1, 4096, 4096        # four splits: the workspace reduction
+    m, n, k = 1, 2112, 7168        # 33 tiles of 64 rows x four splits: the workspace reduction
     x, _, _, w, ws = _operands(m, n, k)
     sm90.linear(x, w, ws, None, _out(m, n))
     (_, d), = ext.calls
-    assert d["cluster"] is False and d["splits"] == 4
-    tiles = n // heuristics.SM90_DECODE_ROWS
-    assert d["ws"].numel() == 4 * tiles * 8 * heuristics.SM90_DECODE_ROWS
+    assert d["cluster"] is False and (d["splits"], d["rows"]) == (4, 64)
+    assert d["ws"].numel() == 4 * 33 * 8 * 64       # [splits][tiles][BT][rows] fp32
     ext.calls.clear()
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_EARLY_TRIGGER", "0")
+    sm90.linear(x, w, ws, None, _out(m, n))
+    assert ext.calls[-1][1]["early"] is False
     monkeypatch.setenv("FP8LINEAR_PDL", "0")
     sm90.linear(x, w, ws, None, _out(m, n))
-    assert ext.calls[0][1]["pdl"] is False
+    assert ext.calls[-1][1]["pdl"] is False
 
 
 def test_linear_unfused_decode_reads_scales_by_stride(ext):
