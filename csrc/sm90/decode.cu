@@ -46,7 +46,9 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
     if (BT * kRows * 4 > stages * layout.stage)
       return "the partial tile does not fit in the ring for a cluster reduction";
   }
-  // (64 rows: the warpgroups' exchange, BT / 2 floats a thread, fits in one 8 KB stage)
+  // 64 rows: the warpgroups' exchange, BT / 2 floats a thread, passes through the ring
+  if (kRows == 64 && BT * 128 * 2 > stages * layout.stage)
+    return "the warpgroups' partials do not fit in the ring (64 rows)";
   CUtensorMap tw;
   std::string e = make_tensor_map_2d(&tw, d.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, d.N, d.K, d.K,
                                      kRows, kBlockK, CU_TENSOR_MAP_SWIZZLE_128B);
@@ -108,10 +110,10 @@ std::string dispatch_ctas(const DecodeArgs& d, cudaStream_t stream) {
 template <int BT>
 std::string dispatch_rows(const DecodeArgs& d, cudaStream_t stream) {
   if (d.rows == 128) return dispatch_ctas<BT, 128>(d, stream);
-  if constexpr (BT <= 32) {
+  if constexpr (BT <= 64) {
     if (d.rows == 64) return dispatch_ctas<BT, 64>(d, stream);
   }
-  return "rows must be 128, or 64 with token tiles <= 32";
+  return "rows must be 128, or 64 with token tiles <= 64";
 }
 
 }  // namespace

@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
   const bool fused = p.x_dtype != kInFP8;
   // 64 rows: warpgroup w takes the K blocks i = w mod 2 of the range (its own wgmma chain)
   constexpr bool kSplitWG = kRows == 64;
-  static_assert(kRows == 128 || (kRows == 64 && BT <= 32), "64-row CTAs: token tiles <= 32");
+  static_assert(kRows == 128 || (kRows == 64 && BT <= 64), "64-row CTAs: token tiles <= 64");
   constexpr int kWTile = kRows * kBlockK;  // bytes of one weight stage
   const DecodeLayout L =
       decode_layout(kRows, BT, (p.num_kb + p.splits - 1) / p.splits, p.stages, kPerRow, fused);

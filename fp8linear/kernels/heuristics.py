@@ -92,7 +92,8 @@ def sm90_shape_ok(n: int, k: int) -> bool:
 # --------------------------------------------------------------------------- sm90 plans
 SM90_DECODE_TILES = (8, 16, 32, 64, 128)  # token tile of decode config i = 8 << i
 SM90_DECODE_MAX_M = 32
-SM90_DECODE_ROWS = (128, 64)               # weight rows per decode CTA (64: token tiles <= 32)
+SM90_DECODE_ROWS = (128, 64)               # weight rows per decode CTA (64: token tiles <= 64)
+SM90_DECODE_ROWS64_MAX_BT = 64
 # The decode kernel quantizes the activations itself for up to 16 tokens and short enough
 # slices (see sm90_fuse_quant).
 SM90_FUSE_QUANT_MAX_M = SM90_DECODE_TILES[1]
@@ -319,7 +320,7 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
                       len(SM90_DECODE_TILES) - 1)
         bt = SM90_DECODE_TILES[config]
         rows = forced_rows or _decode_rows(cdiv(n, 64) * cdiv(m, bt), num_sms)
-        if bt > SM90_DECODE_TWO_PER_SM_MAX_BT:
+        if bt > SM90_DECODE_ROWS64_MAX_BT:
             rows = 128
         tiles = cdiv(n, rows) * cdiv(m, bt)
         # Split K until every SM streams weights; the largest split count that still fits in
@@ -334,7 +335,12 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
     # tiles nearly everywhere (H100, M=64, results/2026-11-23_midm_sweep_h100.log: 24576x1536
     # 16.8 vs 20.1 us, 32768x512 8.9 vs 11.2, 57344x8192 168 vs 177, 8192x28672 83.1 vs 86.9,
     # 4096x7168 14.6 vs 15.8; within 1% on 4096x14336 and 8192^2). (Not for its reduction's
-    # loads: with four times as many in flight it ran no faster.)
+    # loads: with four times as many in flight it ran no faster.) With 64-row decode CTAs
+    # (session 6, results/2026-11-23_decode_midm_rows64_h100.log, M = 40/64) decode wins back
+    # to back on 2112x7168 (11.5 vs 14.0 us) but after an elementwise kernel, as in a model,
+    # it loses nearly everywhere (4096^2 14.1 vs 9.4, 7168x2048 11.3 vs 7.9): under PDL its
+    # launch, ring fill and split reduction hide behind the previous GEMM, which no model
+    # step offers.
     # 64-row tiles when 128-row ones would leave most SMs idle (twice the CTAs).
     tiles128 = cdiv(m, 128) * cdiv(n, 128)
     if tiles128 < num_sms // 2:

@@ -70,7 +70,9 @@ def test_decode_rows_and_splits_forced(monkeypatch):
     monkeypatch.setenv("FP8LINEAR_SM90_DECODE_ROWS", "64")
     assert h.sm90_plan(1, 10240, 8192, SMS) == ("decode", 0, 1, 1, 64)
     monkeypatch.setenv("FP8LINEAR_SM90_DECODE_MAX_M", "64")
-    assert h.sm90_plan(64, 2112, 7168, SMS)[4] == 128      # 64-token tiles: 128 rows only
+    assert h.sm90_plan(64, 2112, 7168, SMS)[4] == 64
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_MAX_M", "128")
+    assert h.sm90_plan(128, 2112, 7168, SMS)[4] == 128     # 128-token tiles: 128 rows only
     monkeypatch.setenv("FP8LINEAR_SM90_DECODE_SPLITS", "3")
     assert h.sm90_plan(1, 4096, 4096, SMS)[2] == 3
     assert h.sm90_plan(1, 4096, 256, SMS)[2] == 2           # never more than the K blocks
