@@ -50,13 +50,13 @@ void gemm(const at::Tensor& a, const at::Tensor& a_scale_t, const at::Tensor& w,
   check(fp8l::launch_gemm(g, at::cuda::getCurrentCUDAStream()), "gemm");
 }
 
-void quant(const at::Tensor& x, at::Tensor& q, at::Tensor& scale_t) {
+void quant(const at::Tensor& x, at::Tensor& q, at::Tensor& scale_t, bool pdl) {
   const c10::cuda::CUDAGuard guard(x.device());
   const int in = x.scalar_type() == at::kBFloat16 ? fp8l::kInBF16
                  : x.scalar_type() == at::kHalf   ? fp8l::kInFP16
                                                   : fp8l::kInFP32;
   check(fp8l::launch_quant(x.data_ptr(), in, q.data_ptr(), scale_t.data_ptr<float>(),
-                           int(scale_t.size(1)), int(x.size(0)), int(x.size(1)),
+                           int(scale_t.size(1)), int(x.size(0)), int(x.size(1)), pdl,
                            at::cuda::getCurrentCUDAStream()),
         "quant");
 }

@@ -30,8 +30,9 @@ std::string launch_gemm(const GemmArgs& args, cudaStream_t stream);
 // Per-token, per-128-channel activation quantization:
 // x [M, K] (bf16/fp16/fp32) -> q [M, K] fp8, scale_t [num_kb, scale_ld] fp32.
 enum InDType : int { kInBF16 = 0, kInFP16 = 1, kInFP32 = 2, kInFP8 = 3 };
+// pdl: launched under programmatic dependent launch (waits for the previous kernel in-kernel)
 std::string launch_quant(const void* x, int in_dtype, void* q, float* scale_t, int scale_ld,
-                         int M, int K, cudaStream_t stream);
+                         int M, int K, bool pdl, cudaStream_t stream);
 
 }  // namespace fp8l
 

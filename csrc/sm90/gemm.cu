@@ -18,7 +18,8 @@ struct Config {
 constexpr Config kConfigs[] = {{128, 128, 5, 1, false}, {64, 128, 8, 1, false},
                                {128, 128, 5, 2, false}, {128, 192, 4, 1, false},
                                {256, 128, 3, 1, false}, {256, 128, 3, 2, true},
-                               {64, 64, 12, 1, false},   {128, 64, 8, 1, false}};
+                               {64, 64, 12, 1, false},   {128, 64, 8, 1, false},
+                               {64, 32, 16, 1, false},   {64, 16, 16, 1, false}};
 
 // A launch of `grid` CTAs in clusters of `cluster` along x; `attr` must outlive the config.
 cudaLaunchConfig_t cluster_launch(int grid, int threads, int smem, cudaStream_t stream,
@@ -79,7 +80,9 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
     return e;
   const auto out_type = g.out_dtype == kOutBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                                 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  if (!(e = make_tensor_map_2d(&tc, g.out, out_type, 2, g.M, g.N, g.N, 64, 64, sw128)).empty())
+  // output boxes of 64 columns, 128B-swizzled; narrow tiles one unswizzled box of BN columns
+  if (!(e = make_tensor_map_2d(&tc, g.out, out_type, 2, g.M, g.N, g.N, 64, BN < 64 ? BN : 64,
+                               BN < 64 ? CU_TENSOR_MAP_SWIZZLE_NONE : sw128)).empty())
     return e;
 
   constexpr auto kernel = fp8_gemm_kernel<BM, BN, STAGES, CLUSTER, kShareA, kPerRow, OutT>;

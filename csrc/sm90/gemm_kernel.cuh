@@ -108,7 +108,8 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
   using L = GemmSmem<BM, BN, STAGES>;
   constexpr int kMathWG = L::kMathWG;
   constexpr int kWaves = L::kWaves;
-  static_assert(BN % 64 == 0 && BN <= 192, "BN: whole 64-column store boxes, <= 96 regs");
+  static_assert((BN % 64 == 0 && BN <= 192) || BN == 16 || BN == 32,
+                "BN: whole 64-column store boxes (<= 96 regs), or one narrow box of 16/32");
   static_assert(BM == 64 || BM == 128 || (BM == 256 && BN == 128),
                 "one or two math warpgroups; two waves only with 64 registers a partial");
   static_assert(CLUSTER == 1 || CLUSTER == 2, "pairs of CTAs at most");
@@ -471,7 +472,8 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
             b0 = bb.x;
             b1 = bb.y;
           }
-          // box = 64 columns (128 B) x 64 rows; 16-byte chunk index XOR (row % 8) = swizzle
+          // box = 64 columns (128 B) x 64 rows; 16-byte chunk index XOR (row % 8) = swizzle.
+          // Narrow tiles (BN = 16/32): one unswizzled box of BN columns.
           uint8_t* box = my_out + (c / 64) * 64 * 128;
           const int chunk = (c % 64) / 8;
 #pragma unroll
@@ -479,7 +481,10 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
             const int r = row_in_wg + 8 * h;
             const uint32_t v = OutTraits<OutT>::pack(acc[w][4 * j + 2 * h] + b0,
                                                      acc[w][4 * j + 2 * h + 1] + b1);
-            *reinterpret_cast<uint32_t*>(box + r * 128 + ((chunk ^ (r % 8)) * 16) + (col_q * 2)) = v;
+            if constexpr (BN < 64)
+              *reinterpret_cast<uint32_t*>(box + r * BN * 2 + c * 2) = v;
+            else
+              *reinterpret_cast<uint32_t*>(box + r * 128 + ((chunk ^ (r % 8)) * 16) + (col_q * 2)) = v;
           }
         }
       }
@@ -489,7 +494,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
 #pragma unroll
         for (int w = 0; w < kWaves; ++w)
 #pragma unroll
-          for (int cb = 0; cb < BN / 64; ++cb)
+          for (int cb = 0; cb < (BN < 64 ? 1 : BN / 64); ++cb)
             tma_store_2d(&tmap_c, sOut + wave_row(w) * BN * 2 + cb * 64 * 128, nb * BN + cb * 64,
                          mb * BM + wave_row(w));
         tma_store_commit();

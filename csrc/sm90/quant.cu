@@ -24,6 +24,9 @@ __global__ void quant_kernel(const T* __restrict__ x, uint8_t* __restrict__ q,
   // flushed output before it reads the activations. This hides the GEMM's launch and ring
   // fill behind the quantization instead of after it.
   pdl_launch_dependents();
+  // Launched under PDL ourselves (after a decode GEMM that lets its dependents start early),
+  // x is the previous kernel's output: wait for it (a no-op without PDL).
+  pdl_wait();
   const long gid = (long(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (gid >= long(M) * num_kb) return;
@@ -48,8 +51,24 @@ __global__ void quant_kernel(const T* __restrict__ x, uint8_t* __restrict__ q,
 
 }  // namespace
 
+template <typename T>
+cudaError_t launch_typed(const void* x, uint8_t* q, float* scale_t, int scale_ld, int M, int K,
+                         int num_kb, unsigned blocks, int threads, bool pdl, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(blocks);
+  cfg.blockDim = dim3(threads);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, quant_kernel<T>, static_cast<const T*>(x), q, scale_t,
+                            scale_ld, M, K, num_kb);
+}
+
 std::string launch_quant(const void* x, int in_dtype, void* q, float* scale_t, int scale_ld,
-                         int M, int K, cudaStream_t stream) {
+                         int M, int K, bool pdl, cudaStream_t stream) {
   if (M <= 0 || K <= 0) return "";
   if (K % 16 != 0) return "K must be a multiple of 16";
   const int num_kb = (K + 127) / 128;
@@ -57,23 +76,23 @@ std::string launch_quant(const void* x, int in_dtype, void* q, float* scale_t, i
   const int threads = 256;
   const unsigned blocks = unsigned((warps * 32 + threads - 1) / threads);
   auto* qq = static_cast<uint8_t*>(q);
+  cudaError_t err;
   switch (in_dtype) {
     case kInBF16:
-      quant_kernel<<<blocks, threads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), qq,
-                                                   scale_t, scale_ld, M, K, num_kb);
+      err = launch_typed<__nv_bfloat16>(x, qq, scale_t, scale_ld, M, K, num_kb, blocks, threads,
+                                        pdl, stream);
       break;
     case kInFP16:
-      quant_kernel<<<blocks, threads, 0, stream>>>(static_cast<const __half*>(x), qq, scale_t,
-                                                   scale_ld, M, K, num_kb);
+      err = launch_typed<__half>(x, qq, scale_t, scale_ld, M, K, num_kb, blocks, threads, pdl,
+                                 stream);
       break;
     case kInFP32:
-      quant_kernel<<<blocks, threads, 0, stream>>>(static_cast<const float*>(x), qq, scale_t,
-                                                   scale_ld, M, K, num_kb);
+      err = launch_typed<float>(x, qq, scale_t, scale_ld, M, K, num_kb, blocks, threads, pdl,
+                                stream);
       break;
     default:
       return "unsupported input dtype";
   }
-  cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? std::string() : std::string(cudaGetErrorString(err));
 }
 

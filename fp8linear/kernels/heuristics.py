@@ -97,7 +97,7 @@ SM90_DECODE_ROWS64_MAX_BT = 64
 # The decode kernel quantizes the activations itself for up to 16 tokens and short enough
 # slices (see sm90_fuse_quant).
 SM90_FUSE_QUANT_MAX_M = SM90_DECODE_TILES[1]
-SM90_FUSE_QUANT_MAX_GROUPS = 48
+SM90_FUSE_QUANT_MAX_GROUPS = 64
 _FUSE_QUANT = "FP8LINEAR_SM90_FUSE_QUANT"
 # dynamic shared memory of a decode CTA by CTAs an SM (csrc/sm90/decode.cu: smem_limit)
 SM90_DECODE_SMEM = {1: 232448, 2: 115712}
@@ -200,8 +200,12 @@ def sm90_fuse_quant(m: int, k: int, plan) -> bool:
     results/2026-11-23_decode_fused_quant_v2_h100.log, fp8_linear, back to back / after an
     elementwise kernel), by groups of 128 channels a CTA (tokens x K blocks): <= 48 groups,
     or M <= 8 over <= 8 K blocks, fused is 0.1-2.4 us faster (M = 1 on 4096x14336 and
-    28672x4096: -2.4 / -0.9 us); from 56 groups it is 0.1-12 us slower. And the resident fp8
-    slice must leave most of the shared memory to the weight ring (<= a quarter of the CTA's).
+    28672x4096: -2.4 / -0.9 us); from 56 groups it is 0.1-12 us slower. Session 6 (64-row
+    CTAs, the early PDL trigger; results/2026-11-23_gemm_narrow_tiles_fuse_h100.log): fused
+    wins both ways up to 64 groups (6144x4096 x 2: -2.0 / -1.5 us, 2112x7168 x 4: -2.8 /
+    -1.4), from 96-112 only back to back (4096x7168 x 4: -1.5 / +1.0), from 128 neither.
+    And the resident fp8 slice must leave most of the shared memory to the weight ring
+    (<= a quarter of the CTA's).
     (Session 2's fused kernel quantized one K block ahead of the tensor cores, one warp per
     token with a block barrier per K block: +5 us at 14-16 blocks a CTA, so it was limited
     to <= 8 blocks and M <= 8.) FP8LINEAR_SM90_FUSE_QUANT=0 never fuses (=1: wherever the
@@ -214,7 +218,7 @@ def sm90_fuse_quant(m: int, k: int, plan) -> bool:
     kbs = cdiv(cdiv(k, BLOCK), splits)  # K blocks a CTA
     if kbs * SM90_DECODE_TILES[config] * BLOCK > SM90_DECODE_SMEM[ctas] // 4:
         return False
-    return v == "1" or m * kbs <= SM90_FUSE_QUANT_MAX_GROUPS or (m <= 8 and kbs <= 8)
+    return v == "1" or m * kbs <= SM90_FUSE_QUANT_MAX_GROUPS
 
 
 # The large-M kernel's tile configurations, index = config id; mirrors kConfigs in
@@ -222,7 +226,8 @@ def sm90_fuse_quant(m: int, k: int, plan) -> bool:
 # multicasts the activation tile (share_a) or else the weight tile.
 SM90_GEMM_CONFIGS = ((128, 128, 5, 1, False), (64, 128, 8, 1, False), (128, 128, 5, 2, False),
                      (128, 192, 4, 1, False), (256, 128, 3, 1, False), (256, 128, 3, 2, True),
-                     (64, 64, 12, 1, False), (128, 64, 8, 1, False))
+                     (64, 64, 12, 1, False), (128, 64, 8, 1, False), (64, 32, 16, 1, False),
+                     (64, 16, 16, 1, False))
 _FORCE_GEMM = "FP8LINEAR_SM90_GEMM_CONFIG"
 
 
@@ -345,7 +350,18 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
     tiles128 = cdiv(m, 128) * cdiv(n, 128)
     if tiles128 < num_sms // 2:
         # ... and 64x64 ones when even those fit in one wave (M=128: 4096^2 11.8 vs 13.5 us,
-        # 2112x7168 16.7 vs 19.5; M=256 2112x7168 17.0 vs 19.6)
+        # 2112x7168 16.7 vs 19.5; M=256 2112x7168 17.0 vs 19.6) ...
+        # ... and 64x32 / 64x16 ones up to 128 tokens when those still fit in one wave: more
+        # SMs streaming the weights (H100, results/2026-11-23_gemm_narrow_tiles_fuse_h100.log,
+        # back to back / after an elementwise kernel: 2112x7168 x 64 with 64x16 tiles 12.9 /
+        # 12.8 us vs 14.0 / 14.0; x 128 with 64x32 13.3 / 13.3 vs 13.8 / 13.9; 4096x14336 x 64
+        # 24.8 / 25.7 vs 25.9 / 26.6). Where they would take a second wave they lose badly
+        # (7168x2048 x 64: 9.2 vs 7.9), and so do pairs multicasting the activation tile
+        # (tried, session 6: 15.0 vs 12.9).
+        if SM90_DECODE_TILES[2] < m <= 128:
+            for config, bn in ((9, 16), (8, 32)):
+                if cdiv(m, 64) * cdiv(n, bn) <= num_sms:
+                    return ("gemm", config)
         return ("gemm", 6 if tiles64 <= num_sms else 1)
     # The fewest waves x tile time among 128x128, 256x128, 128x192 and 128x64 (N = 2112: 11
     # full 192-column tiles instead of 16.5, or 33 of 64); ties keep the first listed.

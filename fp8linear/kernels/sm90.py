@@ -175,7 +175,9 @@ def linear(x, w, w_scale, bias, out):
         _log("fp8_linear", x, w, out, f"sm90 quant kernel + {plan}")
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     scale_t = torch.empty(cdiv(k, BLOCK), cdiv(m, 4) * 4, dtype=torch.float32, device=x.device)
-    build.load().quant(x, q, scale_t)
+    # (under PDL: after a decode GEMM that lets its dependents launch early, the quant kernel
+    # starts at once and waits for its input in-kernel)
+    build.load().quant(x, q, scale_t, _pdl())
     if plan[0] == "decode":
         # token-major view of the [Kb, ld] scales: the decode kernel reads them by stride
         _decode(q, scale_t[:, :m].t(), w, w_scale, bias, out, *plan[1:])

@@ -15,8 +15,10 @@ H100 = h.TritonDevice(SMS, 227 * 1024, False, (9, 0))
     (128, 7168, 2048, 1),     # 64x64 would need two waves: 64x128
     (128, 24576, 1536, 1),    # 3 waves of 64x128 vs 2 of 128x128 (half the area each)
     (128, 10240, 8192, 0),    # one wave of 128x128 vs two of 64x128: the tie keeps 128x128
-    (64, 4096, 4096, 6),      # 33-64 tokens: the large-M kernel; one wave of 64x64
-    (64, 2112, 7168, 6),
+    (64, 4096, 4096, 8),      # 33-64 tokens: the large-M kernel; one wave of 64x32 tiles
+    (64, 2112, 7168, 9),      # 132 tiles of 64x16
+    (128, 2112, 7168, 8),     # 132 tiles of 64x32
+    (64, 7168, 2048, 6),      # 64x32 would need two waves
     (64, 8192, 8192, 6),      # 128 tiles of 64x64
     (64, 28672, 4096, 1),     # 2 waves of 64x128 = 4 of 64x64: the tie keeps 64x128
     (64, 24576, 1536, 6),     # 3 waves of 64x64 vs 2 of 64x128
@@ -121,17 +123,17 @@ def test_decode_cluster_reduce(m, n, k, cluster, monkeypatch):
 
 
 @pytest.mark.parametrize("m,k,plan,fused", [
-    (1, 4096, ("decode", 0, 2, 2, 128), True),         # 16 K blocks a CTA, one token
-    (4, 3072, ("decode", 0, 2, 2, 128), True),         # 4 x 12 = 48 groups: the limit
-    (4, 3584, ("decode", 0, 2, 2, 128), False),        # 4 x 14 groups
-    (8, 4096, ("decode", 0, 4, 2, 128), True),         # 8 tokens x 8 blocks
-    (8, 4096, ("decode", 0, 2, 2, 128), False),        # 8 x 16 groups
-    (16, 2048, ("decode", 1, 4, 2, 128), False),       # 16 x 4 groups
-    (12, 1024, ("decode", 1, 2, 2, 128), True),        # 12 x 4 groups
-    (1, 4096, ("decode", 0, 1, 1, 128), True),         # 32 blocks: a 32 KB slice, one CTA an SM
-    (1, 8192, ("decode", 0, 1, 1, 128), False),        # 64 blocks: the slice would crowd the ring
-    (1, 7680, ("decode", 0, 1, 2, 128), False),        # 60 blocks, two CTAs an SM
-    (17, 1024, ("decode", 2, 1, 2, 128), False),       # over 16 tokens: the quant kernel
+    (1, 4096, ("decode", 0, 2, 2, 128), True),    # 16 K blocks a CTA, one token
+    (4, 4096, ("decode", 0, 2, 2, 64), True),     # 4 x 16 = 64 groups: the limit
+    (4, 4352, ("decode", 0, 2, 2, 64), False),    # 4 x 17 groups
+    (8, 4096, ("decode", 0, 4, 2, 128), True),    # 8 tokens x 8 blocks
+    (8, 4096, ("decode", 0, 2, 2, 128), False),   # 8 x 16 groups
+    (16, 2048, ("decode", 1, 4, 2, 128), True),   # 16 x 4 groups
+    (16, 2048, ("decode", 1, 2, 2, 64), False),   # 16 x 8 groups
+    (1, 4096, ("decode", 0, 1, 1, 128), True),    # 32 blocks: a 32 KB slice, one CTA an SM
+    (1, 8192, ("decode", 0, 1, 1, 128), False),   # 64 blocks: the slice would crowd the ring
+    (1, 7680, ("decode", 0, 1, 2, 128), False),   # 60 blocks, two CTAs an SM
+    (17, 1024, ("decode", 2, 1, 2, 128), False),  # over 16 tokens: the quant kernel
     (1, 4096, ("gemm", 0), False),
 ])
 def test_fuse_quant_only_small_slices(m, k, plan, fused, monkeypatch):

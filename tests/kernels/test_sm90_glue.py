@@ -21,8 +21,8 @@ class Recorder:
         self.calls.append(("gemm", dict(a=a, a_scale_t=a_scale_t, per_row=per_row,
                                          config=config)))
 
-    def quant(self, x, q, scale_t):
-        self.calls.append(("quant", dict(x=x, q=q, scale_t=scale_t)))
+    def quant(self, x, q, scale_t, pdl):
+        self.calls.append(("quant", dict(x=x, q=q, scale_t=scale_t, pdl=pdl)))
 
     def decode(self, x, x_scale, w, w_scale, per_row, bias, out, ws, counters, config, rows,
                splits, ctas_per_sm, pdl, early_trigger, cluster):
@@ -125,7 +125,8 @@ def test_linear_unfused_decode_reads_scales_by_stride(ext):
     sm90.linear(x, w, ws, None, _out(m, n))
     (k1, q), (k2, d) = ext.calls
     assert (k1, k2) == ("quant", "decode")
-    assert d["x"] is q["q"]
+    assert q["pdl"] is True and d["pdl"] is True   # both under PDL: the quant kernel may start
+    assert d["x"] is q["q"]                        # during the previous decode GEMM
     # token-major view of the quant kernel's [Kb, ld] scales
     assert d["x_scale"].shape == (m, k // 128) and d["x_scale"].stride() == (1, 20)
     assert d["x_scale"].data_ptr() == q["scale_t"].data_ptr()
