@@ -139,11 +139,13 @@ def parse_args(argv=None):
 # ------------------------------------------------------------------------- method setup
 @contextlib.contextmanager
 def env(name, value):
+    from fp8linear.kernels import heuristics
     old = os.environ.get(name)
     if value is None:
         os.environ.pop(name, None)
     else:
         os.environ[name] = value
+    heuristics.reload_env()  # fp8linear reads its knobs once per process otherwise
     try:
         yield
     finally:
@@ -151,6 +153,7 @@ def env(name, value):
             os.environ.pop(name, None)
         else:
             os.environ[name] = old
+        heuristics.reload_env()
 
 
 def method_env(method):

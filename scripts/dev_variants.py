@@ -77,6 +77,7 @@ def use_build(env: dict):
 def with_env(env: dict):
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    fp8linear.kernels.heuristics.reload_env()  # knobs are read once per process otherwise
     return old
 
 
@@ -86,6 +87,7 @@ def restore(old: dict):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+    fp8linear.kernels.heuristics.reload_env()
 
 
 def main() -> int:

@@ -1,6 +1,7 @@
 """Shared test setup: GPU tests skip with a reason on machines without CUDA.
 
-Kept light on purpose: importing it must not pull in anything beyond torch and pytest.
+Kept light on purpose: importing it pulls in nothing beyond torch and pytest (fp8linear only
+inside the fixture).
 """
 import pytest
 import torch
@@ -12,6 +13,14 @@ try:  # hypothesis is a dev extra; CPU machines are slow, so no per-example dead
     settings.load_profile("fp8linear")
 except ImportError:
     pass
+
+
+@pytest.fixture(autouse=True)
+def _knobs_read_every_call(monkeypatch):
+    # fp8linear reads its FP8LINEAR_* knobs once per process (host time); tests change them
+    # with monkeypatch between calls, so they read them afresh every time.
+    from fp8linear.kernels import heuristics
+    monkeypatch.setattr(heuristics, "CACHE_ENV", False)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -19,10 +19,33 @@ from ..quant import BLOCK, cdiv
 BACKENDS = ("reference", "triton", "sm90")
 _ENV = "FP8LINEAR_BACKEND"
 
+# The FP8LINEAR_* knobs are read once per process: an os.environ lookup costs ~0.5-1 us of
+# host time and a call would make ten of them (eager models feel every microsecond).
+# reload_env() re-reads them (benchmarks that switch knobs between runs); tests turn the
+# cache off (tests/conftest.py), since they change the environment between calls.
+_env_cache: dict = {}
+CACHE_ENV = True
+
+
+def env(name: str) -> str | None:
+    """The value of knob `name` ("" reads as unset)."""
+    if not CACHE_ENV:
+        return os.environ.get(name) or None
+    try:
+        return _env_cache[name]
+    except KeyError:
+        v = _env_cache[name] = os.environ.get(name) or None
+        return v
+
+
+def reload_env() -> None:
+    """Forget the knob values read so far (and the plans derived from them)."""
+    _env_cache.clear()
+
 
 def forced_backend() -> str | None:
     """FP8LINEAR_BACKEND=reference|triton|sm90 forces a backend (tests, benchmarks)."""
-    v = os.environ.get(_ENV)
+    v = env(_ENV)
     if not v:
         return None
     if v not in BACKENDS:
@@ -152,7 +175,7 @@ def _decode_rows(tiles64: int, num_sms: int) -> int:
 
 def _switch(name: str) -> str | None:
     """An on/off knob's setting: None (unset: the heuristic decides), "0" or "1"."""
-    v = os.environ.get(name) or None
+    v = env(name)
     if v not in (None, "0", "1"):
         raise ValueError(f"{name}={v!r}: expected 0 or 1")
     return v
@@ -260,7 +283,7 @@ def _waves_x_area(m: int, n: int, num_sms: int, cfg) -> float:
 def forced_gemm_config() -> int | None:
     """FP8LINEAR_SM90_GEMM_CONFIG=i forces the large-M kernel with config i at every M
     (tests cover each configuration; benchmarks compare them)."""
-    v = os.environ.get(_FORCE_GEMM)
+    v = env(_FORCE_GEMM)
     if not v:
         return None
     i = int(v)
@@ -276,14 +299,13 @@ def sm90_plan(m: int, n: int, k: int, num_sms: int):
     if forced is not None:
         return ("gemm", forced)
     # (the decode CTA count per SM, rows, splits and range can be set too: part of the cache key)
-    env = os.environ.get
     return _sm90_plan(m, n, k, num_sms, decode_max_m(), env(_FORCE_DECODE_CTAS),
                       _forced_int(_FORCE_DECODE_ROWS, SM90_DECODE_ROWS),
                       _forced_int(_FORCE_DECODE_SPLITS, range(1, 1025)))
 
 
 def _forced_int(name: str, allowed) -> int | None:
-    v = os.environ.get(name) or None
+    v = env(name)
     if v is None:
         return None
     if not v.isdigit() or int(v) not in allowed:
@@ -292,7 +314,7 @@ def _forced_int(name: str, allowed) -> int | None:
 
 
 def decode_max_m() -> int:
-    v = os.environ.get(_DECODE_MAX_M)
+    v = env(_DECODE_MAX_M)
     if not v:
         return SM90_DECODE_MAX_M
     top = SM90_DECODE_TILES[-1] * 2

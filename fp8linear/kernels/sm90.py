@@ -38,6 +38,7 @@ def _num_sms(index: int) -> int:
 
 
 _counters: dict[int, torch.Tensor] = {}
+_no_workspace: dict[int, torch.Tensor] = {}
 
 
 def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
@@ -54,7 +55,7 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
 def _pdl() -> bool:
     # Programmatic dependent launch lets the weight stream start during the previous kernel's
     # tail. FP8LINEAR_PDL=0 turns it off (e.g. to rule it out when debugging).
-    return os.environ.get("FP8LINEAR_PDL", "1") != "0"
+    return heuristics.env("FP8LINEAR_PDL") != "0"
 
 
 def _early_trigger() -> bool:
@@ -64,7 +65,7 @@ def _early_trigger() -> bool:
     # results/2026-11-23_decode_rows64_sweep_h100.log): 2112x7168 9.1 -> 7.2 us, 4096^2
     # 8.35 -> 7.8, 32768x512 6.95 -> 6.33; +0.3 on 7168x2048 (64 rows); nothing after a
     # kernel without PDL. FP8LINEAR_SM90_DECODE_EARLY_TRIGGER=0 turns it off.
-    return os.environ.get("FP8LINEAR_SM90_DECODE_EARLY_TRIGGER", "1") != "0"
+    return heuristics.env("FP8LINEAR_SM90_DECODE_EARLY_TRIGGER") != "0"
 
 
 # FP8LINEAR_LOG_DISPATCH=1: print each distinct dispatch decision once (to stderr), e.g. to see
@@ -108,8 +109,11 @@ def _decode(x, x_scale, w, w_scale, bias, out, config, splits, ctas_per_sm, rows
     cluster = heuristics.sm90_decode_cluster_reduce(config, splits, ctas_per_sm)
     if splits > 1 and not cluster:
         ws = torch.empty(splits * tiles * bt * rows, dtype=torch.float32, device=x.device)
-    else:
-        ws = torch.empty(0, dtype=torch.float32, device=x.device)
+    else:  # (a cached empty tensor: an allocation costs host time on every call)
+        ws = _no_workspace.get(x.device.index)
+        if ws is None:
+            ws = _no_workspace[x.device.index] = torch.empty(0, dtype=torch.float32,
+                                                             device=x.device)
     build.load().decode(x, x_scale, w, w_scale, per_row, _bias(bias, out), out, ws,
                         _tile_counters(x.device, tiles), config, rows, splits, ctas_per_sm,
                         _pdl(), _early_trigger(), cluster)

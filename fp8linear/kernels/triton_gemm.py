@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -34,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ..quant import AMAX_EPS, BLOCK, FP8_MAX, cdiv
-from . import triton_quant
+from . import heuristics, triton_quant
 from .triton_quant import quant_group
 
 name = "triton"
@@ -225,7 +224,7 @@ def _has_fp8_dot(index: int) -> bool:
 
 def mode(device: torch.device) -> str:
     """The mode this device runs: FP8LINEAR_TRITON_MODE=native|weight_only, or by capability."""
-    v = os.environ.get(_MODE_ENV)
+    v = heuristics.env(_MODE_ENV)
     if v:
         if v not in MODES:
             raise ValueError(f"{_MODE_ENV}={v!r}: expected one of {', '.join(MODES)}")

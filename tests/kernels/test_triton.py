@@ -504,6 +504,8 @@ def _patch_interpreter():
 
 def _interpreter_main():
     assert os.environ.get("TRITON_INTERPRET") == "1"
+    from fp8linear.kernels import heuristics
+    heuristics.CACHE_ENV = False  # the loop below switches FP8LINEAR_TRITON_MODE
     _patch_interpreter()
     cpu = torch.device("cpu")
     n_checks = 0
