@@ -215,7 +215,7 @@ def sm90_fuse_quant(m: int, k: int, plan) -> bool:
     """Quantize bf16/fp16 activations inside the decode kernel of ``plan`` (sm90_plan's)?
 
     Fused, each CTA quantizes its own activation slice (M tokens x its K range, re-done once
-    per 128 weight rows) into resident shared memory right after griddepcontrol.wait, all 8
+    per weight-row tile) into resident shared memory right after griddepcontrol.wait, all 8
     math warps at once, while its weight ring is already filling; unfused, a separate quant
     kernel runs first (~1-4 us on the step's critical path; PDL overlaps only its launch).
     The prologue is not free: it delays the first wgmma by the slice's load and quantization,
