@@ -18,4 +18,13 @@ inline cudaError_t ensure_smem_limit(int bytes) {
   return e;
 }
 
+// The attribute that launches a kernel under programmatic dependent launch: it may start once
+// the previous kernel triggers (griddepcontrol.launch_dependents) and waits for it in-kernel.
+inline cudaLaunchAttribute pdl_attribute() {
+  cudaLaunchAttribute a;
+  a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  a.val.programmaticStreamSerializationAllowed = 1;
+  return a;
+}
+
 }  // namespace fp8l

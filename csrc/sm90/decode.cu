@@ -73,10 +73,7 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
   cfg.stream = stream;
   cudaLaunchAttribute attr[2];
   int n_attr = 0;
-  if (d.pdl) {
-    attr[n_attr].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[n_attr++].val.programmaticStreamSerializationAllowed = 1;
-  }
+  if (d.pdl) attr[n_attr++] = pdl_attribute();
   if (d.cluster_reduce) {  // the splits of a tile (grid z) as one cluster
     attr[n_attr].id = cudaLaunchAttributeClusterDimension;
     attr[n_attr].val.clusterDim.x = 1;

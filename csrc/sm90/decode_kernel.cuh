@@ -343,19 +343,22 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
     *reinterpret_cast<uint2*>(out + size_t(m) * p.N + n) = packed;
   };
   constexpr int kTile4 = BT * kRows / 4;  // float4s of a partial tile
+  // this split's partial tile [BT tokens][kRows] into dst (shared or global memory)
+  auto write_partial = [&](float* dst) {
+    if (!writer) return;
+#pragma unroll
+    for (int j = 0; j < kRegs / 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        dst[(8 * j + cq + (e & 1)) * kRows + wrow + r0 + (e >= 2 ? 8 : 0)] = acc[4 * j + e];
+    }
+  };
   if (p.cluster_reduce) {
     // Both warpgroups' wgmmas have read their last stage (and, 64 rows, the exchange above is
     // done): the ring holds the partial tile [BT tokens][kRows] (the host checks that it fits).
     named_barrier(1, 256);
     float* mine = reinterpret_cast<float*>(smem);
-#pragma unroll
-    for (int j = 0; j < kRegs / 4; ++j) {
-      if (!writer) break;
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        mine[(8 * j + cq + (e & 1)) * kRows + wrow + r0 + (e >= 2 ? 8 : 0)] =
-            acc[4 * j + e];
-    }
+    write_partial(mine);
     cluster_sync();  // release / acquire: every split's partial is visible to the cluster
     // CTA `split` (its rank: the cluster spans z) sums its slice over the splits in order
     constexpr int kMaxSplits = 8;
@@ -381,18 +384,7 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
   }
   const int tiles = gridDim.x * gridDim.y;
   const int tile = blockIdx.y * gridDim.x + blockIdx.x;
-  // partial tile [BT tokens][kRows] of this split
-  float* mine = p.workspace + (size_t(split) * tiles + tile) * BT * kRows;
-#pragma unroll
-  for (int j = 0; j < kRegs / 4; ++j) {
-    if (!writer) break;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int r = wrow + r0 + (e >= 2 ? 8 : 0);
-      const int c = 8 * j + cq + (e & 1);
-      mine[c * kRows + r] = acc[4 * j + e];
-    }
-  }
+  write_partial(p.workspace + (size_t(split) * tiles + tile) * BT * kRows);
   __threadfence();
   named_barrier(1, 256);
   if (tid == 0) *flag = atomicAdd(&p.counters[tile], 1) == p.splits - 1;

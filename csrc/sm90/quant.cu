@@ -9,8 +9,9 @@
 
 #include <cstdint>
 
-#include "sm90/api.h"
+#include "common/launch.h"
 #include "common/ptx.cuh"
+#include "sm90/api.h"
 #include "sm90/quant.cuh"
 
 namespace fp8l {
@@ -49,8 +50,6 @@ __global__ void quant_kernel(const T* __restrict__ x, uint8_t* __restrict__ q,
   if (lane == 0) scale_t[size_t(kb) * scale_ld + m] = scale;
 }
 
-}  // namespace
-
 template <typename T>
 cudaError_t launch_typed(const void* x, uint8_t* q, float* scale_t, int scale_ld, int M, int K,
                          int num_kb, unsigned blocks, int threads, bool pdl, cudaStream_t stream) {
@@ -58,14 +57,14 @@ cudaError_t launch_typed(const void* x, uint8_t* q, float* scale_t, int scale_ld
   cfg.gridDim = dim3(blocks);
   cfg.blockDim = dim3(threads);
   cfg.stream = stream;
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr = pdl_attribute();
   cfg.attrs = &attr;
   cfg.numAttrs = pdl ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, quant_kernel<T>, static_cast<const T*>(x), q, scale_t,
                             scale_ld, M, K, num_kb);
 }
+
+}  // namespace
 
 std::string launch_quant(const void* x, int in_dtype, void* q, float* scale_t, int scale_ld,
                          int M, int K, bool pdl, cudaStream_t stream) {
