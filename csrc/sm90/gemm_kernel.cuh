@@ -177,9 +177,19 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
     FP8L_TILE_WALK
     if (warp_in_wg == 0) {
       if (lane == 0) {
-        // tiles are re-read by other CTAs (measured: evict_normal for both, or for the
-        // weights alone, 0-8% slower)
+        // Activation tiles are re-read by every CTA of their row of tiles: keep them in L2
+        // (measured: evict_normal 10-30% slower at M = 64-256). A weight tile is re-read by
+        // the units of the other M blocks; with at most two M units (a unit is a pair where
+        // pairs multicast the weight tile) those are neighbours in the tile order and run at
+        // the same time, so the weights need no protection, and marking them evict-last only
+        // pushes the activations out. H100, results/2026-11-24_gemm_l2_policy_h100.log,
+        // evict-first weights: 24576x1536 x 128 17.9 -> 16.3 us, x 256 22.7 -> 20.7;
+        // 28672x4096 x 128 48.0 -> 44.4; 8192^2 x 512 55.8 -> 54.4; neutral elsewhere. With
+        // more M blocks they lose where re-reads come later (28672x4096 x 512 +1.7%, x 4096
+        // +2-6%; 7168x16384 x 4096 +2%).
         const uint64_t keep = l2_policy_evict_last();
+        const bool few_m_units = num_um <= 2;
+        const uint64_t keep_b = few_m_units ? l2_policy_evict_first() : keep;
         int s = 0;
         uint32_t phase = 0;
         for (int u = first_unit; u < num_units; u += unit_stride) {
@@ -201,11 +211,11 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
                                     kBoth, keep);
             }
             if constexpr (CLUSTER == 1 || kShareA) {
-              tma_load_2d(sB + s * L::kBBytes, &tmap_b, &full[s], kb * kBlockK, nb * BN, keep);
+              tma_load_2d(sB + s * L::kBBytes, &tmap_b, &full[s], kb * kBlockK, nb * BN, keep_b);
             } else {
               constexpr int kHalf = BN / CLUSTER;
               tma_load_2d_multicast(sB + s * L::kBBytes + rank * kHalf * kBlockK, &tmap_b,
-                                    &full[s], kb * kBlockK, nb * BN + rank * kHalf, kBoth, keep);
+                                    &full[s], kb * kBlockK, nb * BN + rank * kHalf, kBoth, keep_b);
             }
             tma_load_2d(sSA + s * BM, &tmap_sa, &full[s], mb * BM, kb, keep);
             if (++s == STAGES) { s = 0; phase ^= 1; }
