@@ -13,11 +13,14 @@ Prints one row per point: µs per variant, DeepGEMM's, the fastest variant, vs D
 
 A/B of two builds of the kernels in one process (run-to-run drift on the device is several
 percent, larger than many kernel changes): build the other source tree with
-`scripts/prebuild_device_ext.sh <repo>/.prebuilt_b` from a copy of the repository holding
-the change (the script keeps that folder out of git; it empties its output folder first, so
-never point it into .prebuilt), carry both folders, and name its .so in a variant (a glob is
-fine):
-    python scripts/dev_variants.py --variants "a:;b:FP8LINEAR_DEV_SO=.prebuilt_b/*/fp8linear_sm90_C.so"
+`DEV_NAMESPACE=fp8l_b scripts/prebuild_device_ext.sh <repo>/.prebuilt_b` from a copy of the
+repository holding the change (the script keeps that folder out of git; it empties its output
+folder first, so never point it into .prebuilt), carry both folders, and name its .so in a
+variant (a glob is fine). DEV_NAMESPACE builds it as its own module (fp8linear_sm90_C_b):
+a second build under the default module name is not loaded at all, Python hands back the
+first module (found 2026-11-24; every A/B of builds before that compared a build with
+itself), so variants under the default name are refused:
+    python scripts/dev_variants.py --variants "a:;b:FP8LINEAR_DEV_SO=.prebuilt_b/*/*.so"
 The variant's launches are captured in its own CUDA graphs, so each graph runs its build.
 """
 from __future__ import annotations
@@ -69,7 +72,11 @@ def use_build(env: dict):
         raise SystemExit(f"{_DEV_SO}={spec!r} matches {len(paths)} files, expected one")
     if paths[0] not in _loaded_so:
         from pathlib import Path
-        _loaded_so[paths[0]] = build._import(Path(paths[0]))
+        name = Path(paths[0]).stem
+        if name == build.EXT_NAME:
+            raise SystemExit(f"{paths[0]}: built under the default module name; rebuild it "
+                             "with DEV_NAMESPACE=fp8l_b scripts/prebuild_device_ext.sh <out>")
+        _loaded_so[paths[0]] = build._import(Path(paths[0]), name)
         print(f"variant build: {paths[0]}", flush=True)
     build._module = _loaded_so[paths[0]]
 

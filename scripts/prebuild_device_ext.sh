@@ -14,6 +14,12 @@
 #                  the repo so it can never be carried by accident)
 #   MAX_JOBS       parallel compile jobs (default: all cores)
 #   VERBOSE=1      stream the ninja/nvcc/ptxas output
+#   DEV_NAMESPACE  build a variant for scripts/dev_variants.py (FP8LINEAR_DEV_SO): e.g. fp8l_b
+#                  renames the C++ namespace fp8l to fp8l_b and the extension module to
+#                  fp8linear_sm90_C_b. A second build loaded into a process under the same
+#                  module name is not loaded at all (Python returns the first module: found
+#                  2026-11-24 with a variant that doubled its outputs, which came out right), so
+#                  dev_variants refuses variants under the default name.
 set -euo pipefail
 
 TORCH_VERSION=2.11.0
@@ -102,8 +108,22 @@ main() {
   rm -rf "$OUT"
   mkdir -p "$OUT"
   # build.py loaded by path (no PYTHONPATH): the venv needs nothing of fp8linear but it, and
-  # the sources it finds are this checkout's csrc/, as on the device.
-  FP8LINEAR_CACHE="$OUT" "$PY" -W ignore - "$REPO" "$ARCH" "${VERBOSE:-0}" <<'EOF'
+  # the sources it finds are this checkout's csrc/, as on the device (or, for a variant, a
+  # copy of them with the namespace renamed).
+  local src="$REPO"
+  if [ -n "${DEV_NAMESPACE:-}" ]; then
+    [[ "$DEV_NAMESPACE" =~ ^fp8l_[A-Za-z0-9_]+$ ]] || die "DEV_NAMESPACE must look like fp8l_b"
+    src="$(mktemp -d)"
+    mkdir -p "$src/fp8linear/kernels"
+    cp -r "$REPO/csrc" "$src/"
+    cp "$REPO/fp8linear/kernels/build.py" "$src/fp8linear/kernels/"
+    grep -rlw fp8l "$src/csrc" | xargs sed -i "s/\bfp8l\b/$DEV_NAMESPACE/g"
+    sed -i "s/^EXT_NAME = \"fp8linear_sm90_C\"/EXT_NAME = \"fp8linear_sm90_C_${DEV_NAMESPACE#fp8l_}\"/" \
+      "$src/fp8linear/kernels/build.py"
+    grep -q "^EXT_NAME = \"fp8linear_sm90_C_" "$src/fp8linear/kernels/build.py" || die "EXT_NAME not renamed"
+    say "variant: namespace fp8l -> $DEV_NAMESPACE, module fp8linear_sm90_C_${DEV_NAMESPACE#fp8l_} (sources copied to $src)"
+  fi
+  FP8LINEAR_CACHE="$OUT" "$PY" -W ignore - "$src" "$ARCH" "${VERBOSE:-0}" <<'EOF'
 import importlib.util, sys
 spec = importlib.util.spec_from_file_location(
     "fp8linear_build", f"{sys.argv[1]}/fp8linear/kernels/build.py")
@@ -115,8 +135,8 @@ print(f"prebuild: imports fine: {sorted(n for n in dir(mod) if not n.startswith(
       file=sys.stderr)
 EOF
 
-  key="$(basename "$(dirname "$(ls "$OUT"/*/fp8linear_sm90_C.so)")")"
-  so="$OUT/$key/fp8linear_sm90_C.so"
+  so="$(ls "$OUT"/*/fp8linear_sm90_C*.so)"
+  key="$(basename "$(dirname "$so")")"
   # Every library the .so needs must exist on the device: torch's own libs (loaded by
   # `import torch` first), libcudart from torch's nvidia wheel, and the C/C++ runtime.
   needed="$(readelf -d "$so" | sed -n 's/.*Shared library: \[\(.*\)\]/\1/p')"

@@ -310,11 +310,14 @@ def _built(d: Path, key: str) -> Path | None:
     return so if meta.get("key") == key and so.is_file() else None
 
 
-def _import(so: Path):
+def _import(so: Path, name: str = EXT_NAME):
     # torch first: the extension resolves libtorch/libc10/libcudart from the loaded process.
+    # (A second build loaded under the same module name is not a second module: Python hands
+    # back the first one. Dev variants are built under their own name, see
+    # scripts/prebuild_device_ext.sh.)
     import torch  # noqa: F401
-    loader = importlib.machinery.ExtensionFileLoader(EXT_NAME, str(so))
-    spec = importlib.util.spec_from_file_location(EXT_NAME, str(so), loader=loader)
+    loader = importlib.machinery.ExtensionFileLoader(name, str(so))
+    spec = importlib.util.spec_from_file_location(name, str(so), loader=loader)
     mod = importlib.util.module_from_spec(spec)
     loader.exec_module(mod)
     return mod
