@@ -224,51 +224,71 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
       }
     } else if (warp_in_wg == 1) {
       // B scales into each stage's slot. A global load is an L2 round trip (~1 us under a
-      // full GEMM's traffic), longer than a stage lasts, so it must never sit between "stage
-      // free" and "stage full": block scales are fetched 32 K blocks at a time into
-      // registers (lane i holds K block kb0 + i) and handed out per stage by shuffles.
+      // full GEMM's traffic, more when it misses), longer than a few stages last, so it must
+      // never sit between "stage free" and "stage full": block scales are fetched 32 K blocks
+      // at a time into registers (lane i holds K block kb0 + i) and handed out per stage by
+      // shuffles, each batch fetched one batch ahead (the next tile's first batch during
+      // this tile's last). Measured: ~1% off narrow tiles (2112x7168 x 64-256, 4096^2 x 128),
+      // results/2026-11-24_gemm_scale_reads_h100.log.
       int s = 0;
       uint32_t phase = 0;
       const int num_nblk = (p.N + 127) / 128;
-      for (int u = first_unit; u < num_units; u += unit_stride) {
+      // the tile's weight-scale block column (block scales) or first weight row (per row); a
+      // tile past N (odd tile count) reads, and ignores, the last valid tile's scales: never
+      // a row of w_scale past its end
+      auto tile_nb = [&](int u) {
         int um, un;
         tile_coords(u, num_um, num_un, um, un);
-        // a tile past N (odd tile count) reads, and ignores, the last valid tile's scales:
-        // never a row of w_scale past its end
-        const int nb = kShareA ? min(un * CLUSTER + rank, num_n - 1) : un;
-        const int blk = nb * BN / 128;  // the tile's first 128-row block (and blk + 1)
-        for (int kb0 = 0; kb0 < p.num_kb; kb0 += 32) {
-          float lo = 0.f, hi = 0.f;
-          if constexpr (!kPerRowB) {
-            const int kb = kb0 + lane;
-            if (kb < p.num_kb) {
-              lo = __ldg(p.w_scale + size_t(blk) * p.num_kb + kb);
-              if (kTwoBlocks && blk + 1 < num_nblk)
-                hi = __ldg(p.w_scale + size_t(blk + 1) * p.num_kb + kb);
+        return kShareA ? min(un * CLUSTER + rank, num_n - 1) : un;
+      };
+      if constexpr (kPerRowB) {
+        // per-row scales (tensor-parallel shards not on the 128 grid): BN values per stage,
+        // loaded in place (a rarer, slower path)
+        for (int u = first_unit; u < num_units; u += unit_stride) {
+          const int nb = tile_nb(u);
+          for (int kb = 0; kb < p.num_kb; ++kb) {
+            mbar_wait(&empty[s], phase ^ 1);
+            for (int i = lane; i < BN; i += 32) {
+              const int n = nb * BN + i;
+              sSB[s * BN + i] = n < p.N ? __ldg(p.w_scale + size_t(n) * p.num_kb + kb) : 0.f;
             }
+            mbar_arrive(&full[s]);
+            if (++s == STAGES) { s = 0; phase ^= 1; }
           }
+        }
+      } else {
+        // lane i's scales of K block kb0 + i of unit u (zeros past the K blocks or units)
+        auto fetch = [&](int u, int kb0, float& lo, float& hi) {
+          lo = hi = 0.f;
+          const int kb = kb0 + lane;
+          if (u < num_units && kb < p.num_kb) {
+            const int blk = tile_nb(u) * BN / 128;  // the first 128-row block (and blk + 1)
+            lo = __ldg(p.w_scale + size_t(blk) * p.num_kb + kb);
+            if (kTwoBlocks && blk + 1 < num_nblk)
+              hi = __ldg(p.w_scale + size_t(blk + 1) * p.num_kb + kb);
+          }
+        };
+        int u = first_unit, kb0 = 0;
+        float lo, hi;
+        fetch(u, kb0, lo, hi);
+        while (u < num_units) {
+          int nu = u, nkb0 = kb0 + 32;
+          if (nkb0 >= p.num_kb) nu += unit_stride, nkb0 = 0;
+          float nlo, nhi;
+          fetch(nu, nkb0, nlo, nhi);  // in flight while this batch is handed out
           const int kb_end = min(kb0 + 32, p.num_kb);
           for (int kb = kb0; kb < kb_end; ++kb) {
             mbar_wait(&empty[s], phase ^ 1);
-            if constexpr (kPerRowB) {
-              // per-row scales (tensor-parallel shards not on the 128 grid): BN values per
-              // stage, loaded in place (a rarer, slower path)
-              for (int i = lane; i < BN; i += 32) {
-                const int n = nb * BN + i;
-                sSB[s * BN + i] = n < p.N ? __ldg(p.w_scale + size_t(n) * p.num_kb + kb) : 0.f;
-              }
+            const float vlo = __shfl_sync(0xffffffffu, lo, kb - kb0);
+            const float vhi = __shfl_sync(0xffffffffu, hi, kb - kb0);
+            if (lane == 0) {
+              sSB[s * BN] = vlo;
+              if constexpr (kTwoBlocks) sSB[s * BN + 1] = vhi;
               mbar_arrive(&full[s]);
-            } else {
-              const float vlo = __shfl_sync(0xffffffffu, lo, kb - kb0);
-              const float vhi = __shfl_sync(0xffffffffu, hi, kb - kb0);
-              if (lane == 0) {
-                sSB[s * BN] = vlo;
-                if constexpr (kTwoBlocks) sSB[s * BN + 1] = vhi;
-                mbar_arrive(&full[s]);
-              }
             }
             if (++s == STAGES) { s = 0; phase ^= 1; }
           }
+          u = nu, kb0 = nkb0, lo = nlo, hi = nhi;
         }
       }
     }
@@ -317,8 +337,10 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
       // wgmmas, C7514; step() fences it after the wait)
     };
     // Stage st is read (wgmmas done, scales in registers): let the producer(s) refill it.
-    // Whoever read the stage's B scales with ordinary loads arrives itself: lane 0 (block
-    // scales, shuffled to the warp) or every lane (per-row scales).
+    // Whoever read the stage's B scales with ordinary loads must have read them before the
+    // stage is refilled: block scales are read by every lane, and __syncwarp orders those
+    // reads before lane 0's arrival; per-row scales are read during the promotion, so every
+    // lane arrives itself.
     // In a pair the peer's producer also waits for us where its loads land in our ring: for
     // B sharing both ways, for A sharing only the leader (rank 0), which multicasts A.
     const bool tell_peer = CLUSTER > 1 && (!kShareA || rank == 1);
@@ -375,14 +397,13 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
     };
     // 128x128 block scales of stage s are warp-uniform: lane 0 reads them, a shuffle hands
     // them out.
+    // 128x128 block scales of stage s are warp-uniform: every lane reads them (one broadcast
+    // load). (A lane-0 load and a shuffle cost 5-8% at M = 512 on 2112x7168 and 4096x7168:
+    // results/2026-11-24_gemm_scale_reads_h100.log.)
     auto block_scales = [&](float& lo, float& hi) {
       if constexpr (!kPerRowB) {
-        if (lane == 0) {
-          lo = sSB[s * BN];
-          if constexpr (kTwoBlocks) hi = sSB[s * BN + 1];
-        }
-        lo = __shfl_sync(0xffffffffu, lo, 0);
-        if constexpr (kTwoBlocks) hi = __shfl_sync(0xffffffffu, hi, 0);
+        lo = sSB[s * BN];
+        if constexpr (kTwoBlocks) hi = sSB[s * BN + 1];
       }
     };
     // One K block. kNext: block kb+1's wgmmas go into Pn first (two partials); then wait for
