@@ -339,7 +339,17 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
         # decode stays ahead (its time first: 2112x7168 10.2 vs 14.2, 8192^2 25.1 vs 26.6)
         # except on 4096x7168 (16.1 vs 14.8).
         return ("gemm", 6)
-    if m <= decode_max:
+    # Few weight rows (64-row tiles on at most a quarter of the SMs: DeepSeek-V3's 2112x7168,
+    # 1536x7168, 576x7168) at 33-64 tokens also take the decode kernel: the large-M kernel's
+    # narrowest tiles (64x16) there are too few and each re-reads the whole activation, where
+    # the decode kernel's K splits read a quarter of it or less. H100, M = 33/48/64,
+    # results/2026-11-24_decode_few_rows_midm_h100.log, fp8_linear back to back / after an
+    # elementwise kernel: 2112x7168 15.5 -> 12.7 / 15.7 -> 14.6 us, 1536x7168 15.3 -> 12.2 /
+    # 15.4 -> 13.8, 576x7168 15.0 -> 10.2 / 15.2 -> 10.8; (4096^2 and 7168x2048, 64 and 112
+    # such tiles: slower, 11.2 -> 12.8).
+    few_rows = (SM90_DECODE_TILES[2] < m <= SM90_DECODE_TILES[3]
+                and 4 * cdiv(n, 64) <= num_sms and forced_rows is None)
+    if m <= decode_max or few_rows:
         # Up to 32 tokens (the default decode_max) decode is bound by reading the weights
         # once. Swap-AB puts the tokens on wgmma's narrow side: the smallest token tile >= M
         # wastes no tensor-core work on padding (past 128 tokens, 128-token tiles).

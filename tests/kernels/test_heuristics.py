@@ -16,7 +16,8 @@ H100 = h.TritonDevice(SMS, 227 * 1024, False, (9, 0))
     (128, 24576, 1536, 1),    # 3 waves of 64x128 vs 2 of 128x128 (half the area each)
     (128, 10240, 8192, 0),    # one wave of 128x128 vs two of 64x128: the tie keeps 128x128
     (64, 4096, 4096, 8),      # 33-64 tokens: the large-M kernel; one wave of 64x32 tiles
-    (64, 2112, 7168, 9),      # 132 tiles of 64x16
+    (64, 2176, 7168, 8),      # 34 rows of 64 > SMs/4: the large-M kernel, 68 tiles of 64x32
+    (65, 2112, 7168, 8),      # past 64 tokens the few-rows decode rule stops
     (128, 2112, 7168, 8),     # 132 tiles of 64x32
     (64, 7168, 2048, 6),      # 64x32 would need two waves
     (64, 8192, 8192, 6),      # 128 tiles of 64x64
@@ -56,6 +57,8 @@ def test_forced_gemm_config(monkeypatch):
     (1, 6144, 4096, 0, 1, 1, 64),    # 96 tiles, no split
     (16, 4096, 4096, 1, 2, 2, 64),
     (32, 2112, 7168, 2, 4, 2, 64),   # 56 K blocks: the decode kernel, not 64x64 tiles
+    (64, 2112, 7168, 3, 4, 1, 64),   # 33 rows of 64 <= SMs/4 at 33-64 tokens: decode, 4 splits
+    (33, 576, 7168, 3, 14, 1, 64),   # 9 rows of 64 (DeepSeek-V3's kv_a_proj): 14 splits
     (32, 8192, 8192, 2, 1, 1, 64),   # 128 tiles, 64 K blocks a CTA: one CTA an SM
     (1, 10240, 8192, 0, 1, 1, 128),  # 160 tiles of 64 rows would spill into a second wave
     (1, 28672, 4096, 0, 1, 1, 128),  # 224 tiles of 128 (448 of 64)
@@ -203,8 +206,8 @@ def test_forced_sm90_on_another_gpu_fails_before_launch(monkeypatch):
 
 
 def test_decode_max_m_knob(monkeypatch):
-    # default: the decode kernel up to 32 tokens, large-M tiles above
-    assert h.sm90_plan(33, 2112, 7168, SMS)[0] == "gemm"
+    # default: the decode kernel up to 32 tokens, large-M tiles above (few-row weights: 64)
+    assert h.sm90_plan(33, 4096, 4096, SMS)[0] == "gemm"
     assert h.sm90_plan(32, 2112, 7168, SMS)[0] == "decode"
     monkeypatch.setenv("FP8LINEAR_SM90_DECODE_MAX_M", "256")
     plan = h.sm90_plan(256, 4096, 4096, SMS)
@@ -212,7 +215,7 @@ def test_decode_max_m_knob(monkeypatch):
     # two 128-token tiles x 32 row tiles: 2 splits fill one wave
     assert plan[2] == SMS // (2 * 32)
     assert h.sm90_plan(257, 4096, 4096, SMS)[0] == "gemm"
-    assert h.sm90_plan(64, 2112, 7168, SMS)[:2] == ("decode", 3)   # 64-token tiles
+    assert h.sm90_plan(64, 6144, 4096, SMS)[:2] == ("decode", 3)   # 64-token tiles
     for bad in ("0", "300", "x"):
         monkeypatch.setenv("FP8LINEAR_SM90_DECODE_MAX_M", bad)
         with pytest.raises(ValueError, match="FP8LINEAR_SM90_DECODE_MAX_M"):
