@@ -114,6 +114,8 @@ main() {
   if [ -n "${DEV_NAMESPACE:-}" ]; then
     [[ "$DEV_NAMESPACE" =~ ^fp8l_[A-Za-z0-9_]+$ ]] || die "DEV_NAMESPACE must look like fp8l_b"
     src="$(mktemp -d)"
+    VARIANT_SRC="$src"
+    trap 'rm -rf "$VARIANT_SRC"' EXIT  # the renamed copy is only needed for this build
     mkdir -p "$src/fp8linear/kernels"
     cp -r "$REPO/csrc" "$src/"
     cp "$REPO/fp8linear/kernels/build.py" "$src/fp8linear/kernels/"
@@ -121,7 +123,7 @@ main() {
     sed -i "s/^EXT_NAME = \"fp8linear_sm90_C\"/EXT_NAME = \"fp8linear_sm90_C_${DEV_NAMESPACE#fp8l_}\"/" \
       "$src/fp8linear/kernels/build.py"
     grep -q "^EXT_NAME = \"fp8linear_sm90_C_" "$src/fp8linear/kernels/build.py" || die "EXT_NAME not renamed"
-    say "variant: namespace fp8l -> $DEV_NAMESPACE, module fp8linear_sm90_C_${DEV_NAMESPACE#fp8l_} (sources copied to $src)"
+    say "variant: namespace fp8l -> $DEV_NAMESPACE, module fp8linear_sm90_C_${DEV_NAMESPACE#fp8l_}"
   fi
   FP8LINEAR_CACHE="$OUT" "$PY" -W ignore - "$src" "$ARCH" "${VERBOSE:-0}" <<'EOF'
 import importlib.util, sys

@@ -395,8 +395,6 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
         }
       }
     };
-    // 128x128 block scales of stage s are warp-uniform: lane 0 reads them, a shuffle hands
-    // them out.
     // 128x128 block scales of stage s are warp-uniform: every lane reads them (one broadcast
     // load). (A lane-0 load and a shuffle cost 5-8% at M = 512 on 2112x7168 and 4096x7168:
     // results/2026-11-24_gemm_scale_reads_h100.log.)
