@@ -29,7 +29,7 @@ int out_code(const at::Tensor& out) {
 // w_scale blocks or per-row; out [M,N].
 void gemm(const at::Tensor& a, const at::Tensor& a_scale_t, const at::Tensor& w,
           const at::Tensor& w_scale, bool per_row, const c10::optional<at::Tensor>& bias,
-          at::Tensor& out, int64_t config) {
+          at::Tensor& out, int64_t config, bool pdl) {
   const c10::cuda::CUDAGuard guard(a.device());
   fp8l::GemmArgs g{};
   g.a = a.data_ptr();
@@ -47,6 +47,7 @@ void gemm(const at::Tensor& a, const at::Tensor& a_scale_t, const at::Tensor& w,
   g.K = int(w.size(1));
   g.config = int(config);
   g.num_sms = num_sms(a.get_device());
+  g.pdl = pdl;
   check(fp8l::launch_gemm(g, at::cuda::getCurrentCUDAStream()), "gemm");
 }
 

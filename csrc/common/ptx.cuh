@@ -112,6 +112,18 @@ __device__ __forceinline__ uint64_t l2_policy_evict_last() {
   return p;
 }
 
+// One lane of the (fully active) warp: true in exactly one. Unlike `lane == 0`, the compiler
+// knows only one thread runs the branch, so values computed there are uniform: TMA operands
+// stay in uniform registers, where with `lane == 0` every copy became a loop over the active
+// lanes' distinct operands (ELECT / R2UR x4 / UTMALDG / BRA.U.ANY in the SASS).
+__device__ __forceinline__ bool elect_one() {
+  uint32_t pred = 0;
+  asm volatile(
+      "{\n .reg .pred p;\n elect.sync _|p, 0xffffffff;\n selp.u32 %0, 1, 0, p;\n}"
+      : "=r"(pred));
+  return pred != 0;
+}
+
 // --------------------------------------------------------------------- warp specialization
 template <int N>
 __device__ __forceinline__ void reg_alloc() {

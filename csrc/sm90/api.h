@@ -22,6 +22,7 @@ struct GemmArgs {
   int M, N, K;
   int config;             // tile configuration, chosen by fp8linear/kernels/heuristics.py
   int num_sms;
+  bool pdl;               // programmatic dependent launch (prologue overlaps the previous kernel)
 };
 
 // Large-M persistent TMA + wgmma kernel. Returns "" on success, else the error.

@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
   if (wg == 2) {
     // ------------------------------------------------------------------ producer warpgroup
     if constexpr (kCtasPerSM == 1) reg_dealloc<40>();
-    if (warp == 8 && lane == 0) {
+    if (warp == 8 && elect_one()) {
       // Weights are not written by the previous kernel: stream them before griddepcontrol.wait.
       const uint64_t once = l2_policy_evict_first();
       const uint64_t keep = l2_policy_evict_last();  // activations: read by every row CTA

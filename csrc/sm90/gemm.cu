@@ -21,7 +21,8 @@ constexpr Config kConfigs[] = {{128, 128, 5, 1, false}, {64, 128, 8, 1, false},
                                {64, 64, 12, 1, false},   {128, 64, 8, 1, false},
                                {64, 32, 16, 1, false},   {64, 16, 16, 1, false}};
 
-// A launch of `grid` CTAs in clusters of `cluster` along x; `attr` must outlive the config.
+// A launch of `grid` CTAs in clusters of `cluster` along x; `attr` (room for one more) must
+// outlive the config.
 cudaLaunchConfig_t cluster_launch(int grid, int threads, int smem, cudaStream_t stream,
                                   int cluster, cudaLaunchAttribute* attr) {
   cudaLaunchConfig_t cfg{};
@@ -97,14 +98,12 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   if (CLUSTER > 1) slots = max_cluster_ctas<kernel>(CLUSTER, L::kAlloc, kThreads, g.num_sms);
   const int grid = units * CLUSTER < slots ? units * CLUSTER : slots;
   GemmParams p{g.M, g.N, g.K, num_kb, g.w_scale, g.bias, g.bias_f32};
-  if constexpr (CLUSTER == 1) {
-    kernel<<<grid, kThreads, L::kAlloc, stream>>>(ta, tb, tsa, tc, p);
-  } else {
-    cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = cluster_launch(grid, kThreads, L::kAlloc, stream, CLUSTER, &attr);
-    err = cudaLaunchKernelEx(&cfg, kernel, ta, tb, tsa, tc, p);
-    if (err != cudaSuccess) return cudaGetErrorString(err);
-  }
+  cudaLaunchAttribute attr[2];
+  cudaLaunchConfig_t cfg = cluster_launch(grid, kThreads, L::kAlloc, stream, CLUSTER, attr);
+  if (CLUSTER == 1) cfg.numAttrs = 0;  // a plain launch
+  if (g.pdl) attr[cfg.numAttrs++] = pdl_attribute();
+  err = cudaLaunchKernelEx(&cfg, kernel, ta, tb, tsa, tc, p);
+  if (err != cudaSuccess) return cudaGetErrorString(err);
   err = cudaGetLastError();
   return err == cudaSuccess ? std::string() : std::string(cudaGetErrorString(err));
 }

@@ -170,13 +170,16 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
   // The peer multicasts into our ring and arrives on our barriers: they must exist first.
   if constexpr (CLUSTER > 1) cluster_sync();
   else __syncthreads();
+  // PDL (a no-op without it): the next kernel may launch now; it waits for our completion
+  // (griddepcontrol.wait) before it reads our output, and its CTAs only find room as ours exit.
+  pdl_launch_dependents();
 
   if (wg == kMathWG) {
     // ------------------------------------------------------------------ producer warpgroup
     reg_dealloc<40>();
     FP8L_TILE_WALK
     if (warp_in_wg == 0) {
-      if (lane == 0) {
+      if (elect_one()) {
         // Activation tiles are re-read by every CTA of their row of tiles: keep them in L2
         // (measured: evict_normal 10-30% slower at M = 64-256). A weight tile is re-read by
         // the units of the other M blocks; with at most two M units (a unit is a pair where
@@ -192,6 +195,10 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
         const uint64_t keep_b = few_m_units ? l2_policy_evict_first() : keep;
         int s = 0;
         uint32_t phase = 0;
+        // Activations (and their scales) come from the previous kernel. (Loading the first
+        // tile's weight stages before this wait: mixed, -1 to +1 us at M = 128-512 with
+        // fp8_linear, the early loads competing with the quant kernel; also in session 5.)
+        pdl_wait();
         for (int u = first_unit; u < num_units; u += unit_stride) {
           int um, un;
           tile_coords(u, num_um, num_un, um, un);
@@ -202,7 +209,6 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
           constexpr uint16_t kBoth = uint16_t((1 << CLUSTER) - 1);
           for (int kb = 0; kb < p.num_kb; ++kb) {
             mbar_wait(&empty[s], phase ^ 1);
-            mbar_arrive_expect_tx(&full[s], L::kABytes + L::kBBytes + BM * 4);
             if constexpr (CLUSTER == 1 || !kShareA) {
               tma_load_2d(sA + s * L::kABytes, &tmap_a, &full[s], kb * kBlockK, mb * BM, keep);
             } else if (rank == 0) {
@@ -218,6 +224,11 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
                                     &full[s], kb * kBlockK, nb * BN + rank * kHalf, kBoth, keep_b);
             }
             tma_load_2d(sSA + s * BM, &tmap_sa, &full[s], mb * BM, kb, keep);
+            // The copies go out first, then the arrival that expects their bytes (the barrier
+            // cannot complete before it): 1-5% faster at M = 64-512 than arriving first
+            // (2112x7168 x 128 13.7 -> 13.3 us, 4096x14336 x 64 44.9 -> 42.8; H100,
+            // results/2026-11-24_gemm_narrow_ab_h100.log).
+            mbar_arrive_expect_tx(&full[s], L::kABytes + L::kBBytes + BM * 4);
             if (++s == STAGES) { s = 0; phase ^= 1; }
           }
         }
@@ -295,6 +306,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
   } else {
     // ---------------------------------------------------------------------- math warpgroups
     reg_alloc<232>();
+    pdl_wait();  // (our output may still be read by the previous kernel)
     FP8L_TILE_WALK
     using Mma = WgmmaFp8<BN>;
     constexpr int kRegs = Mma::kRegs;

@@ -339,16 +339,17 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
         # decode stays ahead (its time first: 2112x7168 10.2 vs 14.2, 8192^2 25.1 vs 26.6)
         # except on 4096x7168 (16.1 vs 14.8).
         return ("gemm", 6)
-    # Few weight rows (64-row tiles on at most a quarter of the SMs: DeepSeek-V3's 2112x7168,
-    # 1536x7168, 576x7168) at 33-64 tokens also take the decode kernel: the large-M kernel's
-    # narrowest tiles (64x16) there are too few and each re-reads the whole activation, where
-    # the decode kernel's K splits read a quarter of it or less. H100, M = 33/48/64,
+    # Few weight rows (DeepSeek-V3's 1536x7168, 576x7168) at 33-64 tokens also take the
+    # decode kernel: the large-M kernel's narrowest tiles (64x16) there leave over a quarter
+    # of the SMs idle and each re-reads the whole activation, where the decode kernel's K
+    # splits read a quarter of it or less. H100, M = 33/48/64,
     # results/2026-11-24_decode_few_rows_midm_h100.log, fp8_linear back to back / after an
-    # elementwise kernel: 2112x7168 15.5 -> 12.7 / 15.7 -> 14.6 us, 1536x7168 15.3 -> 12.2 /
-    # 15.4 -> 13.8, 576x7168 15.0 -> 10.2 / 15.2 -> 10.8; (4096^2 and 7168x2048, 64 and 112
-    # such tiles: slower, 11.2 -> 12.8).
+    # elementwise kernel: 1536x7168 15.3 -> 12.2 / 15.4 -> 13.8 us, 576x7168 15.0 -> 10.2 /
+    # 15.2 -> 10.8. Where 64x16 tiles fill the SMs (2112x7168: 132 of them) the large-M kernel
+    # wins since its loads are issued by an elected thread (session 8,
+    # results/2026-11-24_midm_tiles_sweep_h100.log: M=64 8.9 vs 11.6 us, M=48 9.6 vs 11.7).
     few_rows = (SM90_DECODE_TILES[2] < m <= SM90_DECODE_TILES[3]
-                and 4 * cdiv(n, 64) <= num_sms and forced_rows is None)
+                and 4 * cdiv(n, 16) < 3 * num_sms and forced_rows is None)
     if m <= decode_max or few_rows:
         # Up to 32 tokens (the default decode_max) decode is bound by reading the weights
         # once. Swap-AB puts the tokens on wgmma's narrow side: the smallest token tile >= M
@@ -394,7 +395,15 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
             for config, bn in ((9, 16), (8, 32)):
                 if cdiv(m, 64) * cdiv(n, bn) <= num_sms:
                     return ("gemm", config)
-        return ("gemm", 6 if tiles64 <= num_sms else 1)
+        if tiles64 <= num_sms:
+            return ("gemm", 6)
+        # ... and where 64x64 tiles would take two waves, one wave of 128x64 ones before
+        # 64x128 (H100, results/2026-11-24_midm_tiles_sweep_h100.log: 8192^2 x 128 25.9 vs
+        # 26.9 us, 4096x14336 x 256 32.3 vs 34.0, 4096x7168 x 256 17.0 vs 17.8, 4096^2 x 256
+        # 10.6 vs 11.0; a tie on 6144x4096 and 7168x2048 x 128).
+        if m > 64 and cdiv(m, 128) * cdiv(n, 64) <= num_sms:
+            return ("gemm", 7)
+        return ("gemm", 1)
     # The fewest waves x tile time among 128x128, 256x128, 128x192 and 128x64 (N = 2112: 11
     # full 192-column tiles instead of 16.5, or 33 of 64); ties keep the first listed.
     # Below 512 tokens also 64x128 and 64x64 (M=64: 28672x4096 44.5 us with 64x128 vs 48.8
@@ -412,6 +421,12 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
     # 10240x8192 x 128 42.6 us against 35.9 with one wave of 128x128.)
     candidates = ((0, 5, 3, 7) if m >= 512 else (0, 1, 5, 3, 7) if m >= 256
                   else (0, 1, 5, 7) if m > 64 else (0, 1, 5, 7, 6))
+    if 64 < m < 256 and cdiv(m, 64) * 64 < cdiv(m, 128) * 128:
+        # Below 256 tokens, where 128-row tiles would pad a last half-empty block, ties go to
+        # 64x128 (listed first): the kernel is mostly weight-bound there (M = 192: 6144x4096
+        # 17.4 vs 20.1 us with 128x128, 8192^2 36.7 vs 41.2;
+        # results/2026-11-24_midm_tiles_sweep_h100.log).
+        candidates = (1, 0, 5, 7)
     best = min(candidates, key=lambda c: _waves_x_area(m, n, num_sms, SM90_GEMM_CONFIGS[c]))
     # 128x128 pairs multicasting the shared weight tile from M >= 4096: 1-4% faster there
     # (less L2 traffic), 1-3% slower below, where the pair's lockstep costs more than it

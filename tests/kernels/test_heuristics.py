@@ -12,11 +12,18 @@ H100 = h.TritonDevice(SMS, 227 * 1024, False, (9, 0))
 
 @pytest.mark.parametrize("m,n,k,config", [
     (128, 4096, 4096, 6),     # 32 tiles of 128x128 for 132 SMs: 64x64 tiles (128, one wave)
-    (128, 7168, 2048, 1),     # 64x64 would need two waves: 64x128
+    (128, 7168, 2048, 7),     # 64x64 would need two waves: one of 128x64 (a tie with 64x128)
+    (128, 8192, 8192, 7),     # one wave of 128x64 (25.9 us) vs 64x128 (26.9)
+    (256, 4096, 14336, 7),    # 32.3 vs 34.0 us with 64x128
+    (256, 2112, 7168, 6),     # 132 tiles of 64x64 still fit one wave
+    (192, 6144, 4096, 1),     # a tie of waves x area: 64x128 pads no half-empty block
+    (192, 8192, 8192, 1),
     (128, 24576, 1536, 1),    # 3 waves of 64x128 vs 2 of 128x128 (half the area each)
     (128, 10240, 8192, 0),    # one wave of 128x128 vs two of 64x128: the tie keeps 128x128
     (64, 4096, 4096, 8),      # 33-64 tokens: the large-M kernel; one wave of 64x32 tiles
-    (64, 2176, 7168, 8),      # 34 rows of 64 > SMs/4: the large-M kernel, 68 tiles of 64x32
+    (64, 2176, 7168, 8),      # 136 tiles of 64x16 would take two waves: 68 of 64x32
+    (64, 2112, 7168, 9),      # 132 tiles of 64x16 fill the SMs: no few-rows decode
+    (48, 2112, 7168, 9),
     (65, 2112, 7168, 8),      # past 64 tokens the few-rows decode rule stops
     (128, 2112, 7168, 8),     # 132 tiles of 64x32
     (64, 7168, 2048, 6),      # 64x32 would need two waves
@@ -57,7 +64,7 @@ def test_forced_gemm_config(monkeypatch):
     (1, 6144, 4096, 0, 1, 1, 64),    # 96 tiles, no split
     (16, 4096, 4096, 1, 2, 2, 64),
     (32, 2112, 7168, 2, 4, 2, 64),   # 56 K blocks: the decode kernel, not 64x64 tiles
-    (64, 2112, 7168, 3, 4, 1, 64),   # 33 rows of 64 <= SMs/4 at 33-64 tokens: decode, 4 splits
+    (64, 1536, 7168, 3, 5, 1, 64),   # 96 tiles of 64x16 < 3/4 of the SMs: decode, 5 splits
     (33, 576, 7168, 3, 14, 1, 64),   # 9 rows of 64 (DeepSeek-V3's kv_a_proj): 14 splits
     (32, 8192, 8192, 2, 1, 1, 64),   # 128 tiles, 64 K blocks a CTA: one CTA an SM
     (1, 10240, 8192, 0, 1, 1, 128),  # 160 tiles of 64 rows would spill into a second wave

@@ -17,9 +17,9 @@ class Recorder:
     def __init__(self):
         self.calls = []
 
-    def gemm(self, a, a_scale_t, w, w_scale, per_row, bias, out, config):
+    def gemm(self, a, a_scale_t, w, w_scale, per_row, bias, out, config, pdl):
         self.calls.append(("gemm", dict(a=a, a_scale_t=a_scale_t, per_row=per_row,
-                                         config=config)))
+                                         config=config, pdl=pdl)))
 
     def quant(self, x, q, scale_t, pdl):
         self.calls.append(("quant", dict(x=x, q=q, scale_t=scale_t, pdl=pdl)))
@@ -36,7 +36,7 @@ def ext(monkeypatch):
     rec = Recorder()
     monkeypatch.setattr(sm90.build, "load", lambda: rec)
     monkeypatch.setattr(sm90, "_num_sms", lambda index: 132)
-    for knob in ("FP8LINEAR_PDL", "FP8LINEAR_SM90_DECODE_CLUSTER", "FP8LINEAR_SM90_FUSE_QUANT",
+    for knob in ("FP8LINEAR_PDL", "FP8LINEAR_SM90_GEMM_PDL", "FP8LINEAR_SM90_DECODE_CLUSTER", "FP8LINEAR_SM90_FUSE_QUANT",
                  "FP8LINEAR_SM90_GEMM_CONFIG", "FP8LINEAR_SM90_DECODE_MAX_M",
                  "FP8LINEAR_SM90_DECODE_CTAS", "FP8LINEAR_SM90_DECODE_ROWS",
                  "FP8LINEAR_SM90_DECODE_SPLITS", "FP8LINEAR_SM90_DECODE_EARLY_TRIGGER"):
@@ -88,6 +88,20 @@ def test_linear_large_m_quantizes_then_gemm_on_the_quant_kernels_layout(ext):
     assert g["a"] is q["q"] and g["a_scale_t"] is q["scale_t"]
     assert q["scale_t"].shape == (k // 128, 64)
     assert g["config"] == heuristics.sm90_plan(m, n, k, 132)[1]
+    # the GEMM under PDL: its launch and prologue overlap the quant kernel
+    assert q["pdl"] is True and g["pdl"] is True
+
+
+@pytest.mark.parametrize("knob", ["FP8LINEAR_PDL", "FP8LINEAR_SM90_GEMM_PDL"])
+def test_gemm_pdl_knobs(ext, monkeypatch, knob):
+    m, n, k = 600, 4096, 4096
+    _, a, a_s, w, ws = _operands(m, n, k)
+    monkeypatch.setenv(knob, "0")
+    sm90.gemm(a, a_s, w, ws, None, _out(m, n))
+    assert ext.calls[-1][0] == "gemm" and ext.calls[-1][1]["pdl"] is False
+    monkeypatch.setenv(knob, "1")
+    sm90.gemm(a, a_s, w, ws, None, _out(m, n))
+    assert ext.calls[-1][1]["pdl"] is True
 
 
 def test_linear_fused_decode_passes_raw_activations(ext):
