@@ -85,6 +85,20 @@ struct GemmSmem {
   static constexpr int kAlloc = kBytes + 1024;  // slack to align the base to 1024 B
 };
 
+// First row of M block mb. A last block that would run past M is moved up to end at row M
+// (when M >= BM): its boxes then lie in bounds instead of being zero-filled by TMA, which on
+// narrow tiles cost up to a third of the GEMM (2112x7168 x 96 with 64x32 tiles: 13.3 us vs 9.9
+// moved; results/2026-11-24_gemm_moved_last_block_h100.log). The row is rounded up to a
+// multiple of 4: it is also the inner coordinate of the fp32 activation-scale box, which TMA
+// needs 16-byte aligned (a few rows past M are then zero-filled). The rows it shares with the
+// block before are computed by both CTAs from the same operands in the same order, so both
+// write the same bits (tests/kernels/test_gemm_gpu.py checks it for every configuration).
+template <int BM>
+__device__ __forceinline__ int tile_row0(int mb, int M) {
+  const int r = mb * BM;
+  return (r + BM > M && M >= BM) ? min(r, (M - BM + 3) & ~3) : r;
+}
+
 // Tile order: bands of kGroupM M-blocks, N-blocks inside, so that CTAs running at the same
 // time share A rows and B columns in L2.
 __device__ __forceinline__ void tile_coords(int t, int num_m, int num_n, int& mb, int& nb) {
@@ -206,14 +220,15 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
           // shared tile for the peer; it reads a valid tile of its own and stores nothing.
           const int mb = kShareA ? um : min(um * CLUSTER + rank, num_m - 1);
           const int nb = kShareA ? min(un * CLUSTER + rank, num_n - 1) : un;
+          const int row0 = tile_row0<BM>(mb, p.M);
           constexpr uint16_t kBoth = uint16_t((1 << CLUSTER) - 1);
           for (int kb = 0; kb < p.num_kb; ++kb) {
             mbar_wait(&empty[s], phase ^ 1);
             if constexpr (CLUSTER == 1 || !kShareA) {
-              tma_load_2d(sA + s * L::kABytes, &tmap_a, &full[s], kb * kBlockK, mb * BM, keep);
+              tma_load_2d(sA + s * L::kABytes, &tmap_a, &full[s], kb * kBlockK, row0, keep);
             } else if (rank == 0) {
               // the leader loads the whole shared activation tile for both CTAs
-              tma_load_2d_multicast(sA + s * L::kABytes, &tmap_a, &full[s], kb * kBlockK, mb * BM,
+              tma_load_2d_multicast(sA + s * L::kABytes, &tmap_a, &full[s], kb * kBlockK, row0,
                                     kBoth, keep);
             }
             if constexpr (CLUSTER == 1 || kShareA) {
@@ -223,7 +238,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
               tma_load_2d_multicast(sB + s * L::kBBytes + rank * kHalf * kBlockK, &tmap_b,
                                     &full[s], kb * kBlockK, nb * BN + rank * kHalf, kBoth, keep_b);
             }
-            tma_load_2d(sSA + s * BM, &tmap_sa, &full[s], mb * BM, kb, keep);
+            tma_load_2d(sSA + s * BM, &tmap_sa, &full[s], row0, kb, keep);
             // The copies go out first, then the arrival that expects their bytes (the barrier
             // cannot complete before it): 1-5% faster at M = 64-512 than arriving first
             // (2112x7168 x 128 13.7 -> 13.3 us, 4096x14336 x 64 44.9 -> 42.8; H100,
@@ -537,7 +552,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
 #pragma unroll
           for (int cb = 0; cb < (BN < 64 ? 1 : BN / 64); ++cb)
             tma_store_2d(&tmap_c, sOut + wave_row(w) * BN * 2 + cb * 64 * 128, nb * BN + cb * 64,
-                         mb * BM + wave_row(w));
+                         tile_row0<BM>(mb, p.M) + wave_row(w));
         tma_store_commit();
       }
     }

@@ -405,6 +405,40 @@ def test_sm90_every_gemm_config(config, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", range(len(heuristics.SM90_GEMM_CONFIGS)))
+@pytest.mark.parametrize("extra", [8, 7])    # 7: the moved block's first row rounded up to x4
+def test_sm90_last_m_block_moved_in_bounds(config, extra, monkeypatch):
+    """When M is not a multiple of the tile's rows, the last M block is moved up to end at row
+    M (gemm_kernel.cuh tile_row0), so two CTAs write the rows their blocks share: both must
+    write the same bits, equal to an in-bounds run over the first rows alone, and every run
+    the same (a race between unequal values would show as run-to-run differences)."""
+    _select("sm90", monkeypatch)
+    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_CONFIG", str(config))
+    bm = heuristics.SM90_GEMM_CONFIGS[config][0]
+    m, n, k = 2 * bm + bm // 2 + extra, 392, 640      # last block moved up by ~3/8 of a tile
+    c = {"m": m, "n": n, "k": k, "per_row": False, "out": "bf16", "bias": "out",
+         "seed": _seed("moved", config, m)}
+    x, a, a_s, wq, ws, bias = make_data(c)
+    ref, mag = reference(a, a_s, wq, ws, bias)
+    first = None
+    for run in range(5):
+        out = _poisoned(m, n, torch.bfloat16)
+        fp8linear.block_fp8_gemm(a, a_s, wq, ws, out=out, bias=bias)
+        torch.cuda.synchronize()
+        if first is None:
+            assert_close(out, ref, mag, f"config {config} M={m}", bias=bias)
+            first = out.view(torch.int16).clone()
+        else:
+            assert int((out.view(torch.int16) != first).sum()) == 0, f"run {run} differs"
+    top = 2 * bm                                      # whole blocks only: nothing moved
+    part = _poisoned(top, n, torch.bfloat16)
+    fp8linear.block_fp8_gemm(a[:top], a_s[:top].contiguous(), wq, ws, out=part, bias=bias)
+    torch.cuda.synchronize()
+    diff = int((part.view(torch.int16) != first[:top]).sum())
+    assert diff == 0, f"config {config}: {diff} elements of the shared rows differ"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(1, 12688, 128), (8, 264, 256), (40, 264, 256),
                                    (300, 12688, 128)])
 def test_sm90_fp32_bias_added_in_fp32(m, n, k, monkeypatch):
