@@ -65,10 +65,16 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   CUtensorMap ta, tb, tsa, tc;
   std::string e;
   const auto sw128 = CU_TENSOR_MAP_SWIZZLE_128B;
+  // Fewer tokens than a tile has rows: boxes of just the rows there are (8-row multiples for
+  // A, 16-byte ones for its scales) instead of TMA zero-filling the rest, which cost as much
+  // as a second block of rows (the smem rows past them hold stale data, whose output rows
+  // lie past M and are never stored).
+  const int a_rows = g.M < BM ? (g.M + 7) / 8 * 8 : BM;
+  const int sa_cols = g.M < BM ? (g.M + 3) / 4 * 4 : BM;
   // a shared weight tile is loaded (and multicast) in halves by the two CTAs of a pair; a
   // shared activation tile whole by the pair's leader
   if (!(e = make_tensor_map_2d(&ta, g.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, g.M, g.K, g.K,
-                               BM, kBlockK, sw128)).empty())
+                               a_rows, kBlockK, sw128)).empty())
     return e;
   if (!(e = make_tensor_map_2d(&tb, g.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, g.N, g.K, g.K,
                                kShareA ? BN : BN / CLUSTER, kBlockK, sw128)).empty())
@@ -76,7 +82,7 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   // token columns past M read as zero (their A rows are zero too): the scales may be a view
   // of a caller's tensor that ends at column M of its last row
   if (!(e = make_tensor_map_2d(&tsa, g.a_scale_t, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, num_kb,
-                               g.M, g.a_scale_ld, 1, BM,
+                               g.M, g.a_scale_ld, 1, sa_cols,
                                CU_TENSOR_MAP_SWIZZLE_NONE)).empty())
     return e;
   const auto out_type = g.out_dtype == kOutBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
@@ -97,7 +103,8 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   int slots = g.num_sms / CLUSTER * CLUSTER;
   if (CLUSTER > 1) slots = max_cluster_ctas<kernel>(CLUSTER, L::kAlloc, kThreads, g.num_sms);
   const int grid = units * CLUSTER < slots ? units * CLUSTER : slots;
-  GemmParams p{g.M, g.N, g.K, num_kb, g.w_scale, g.bias, g.bias_f32};
+  const uint32_t stage_bytes = uint32_t(a_rows * kBlockK + L::kBBytes + sa_cols * 4);
+  GemmParams p{g.M, g.N, g.K, num_kb, g.w_scale, g.bias, g.bias_f32, stage_bytes};
   cudaLaunchAttribute attr[2];
   cudaLaunchConfig_t cfg = cluster_launch(grid, kThreads, L::kAlloc, stream, CLUSTER, attr);
   if (CLUSTER == 1) cfg.numAttrs = 0;  // a plain launch

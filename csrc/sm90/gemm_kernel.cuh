@@ -58,6 +58,7 @@ struct GemmParams {
   const float* w_scale;  // [ceil(N/128), num_kb] blocks or [N, num_kb] per row
   const void* bias;      // [N] in the output dtype, or fp32 (bias_f32), or nullptr
   bool bias_f32;         // an fp32 bias is added as is, not rounded to the output type first
+  uint32_t stage_bytes;  // TMA bytes a stage receives (less than A + B + scales when M < BM)
 };
 
 // bias[n], bias[n + 1] as floats, from the output dtype or fp32
@@ -243,7 +244,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
             // cannot complete before it): 1-5% faster at M = 64-512 than arriving first
             // (2112x7168 x 128 13.7 -> 13.3 us, 4096x14336 x 64 44.9 -> 42.8; H100,
             // results/2026-11-24_gemm_narrow_ab_h100.log).
-            mbar_arrive_expect_tx(&full[s], L::kABytes + L::kBBytes + BM * 4);
+            mbar_arrive_expect_tx(&full[s], p.stage_bytes);
             if (++s == STAGES) { s = 0; phase ^= 1; }
           }
         }
