@@ -21,8 +21,8 @@ constexpr Config kConfigs[] = {{128, 128, 5, 1, false}, {64, 128, 8, 1, false},
                                {64, 64, 12, 1, false},   {128, 64, 8, 1, false},
                                {64, 32, 16, 1, false},   {64, 16, 16, 1, false}};
 
-// A launch of `grid` CTAs in clusters of `cluster` along x; `attr` (room for one more) must
-// outlive the config.
+// A launch of `grid` CTAs in clusters of `cluster` along x (1: a plain launch, no cluster
+// attribute); `attr` (room for one more) must outlive the config.
 cudaLaunchConfig_t cluster_launch(int grid, int threads, int smem, cudaStream_t stream,
                                   int cluster, cudaLaunchAttribute* attr) {
   cudaLaunchConfig_t cfg{};
@@ -35,7 +35,7 @@ cudaLaunchConfig_t cluster_launch(int grid, int threads, int smem, cudaStream_t 
   attr->val.clusterDim.y = 1;
   attr->val.clusterDim.z = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = cluster > 1 ? 1 : 0;
   return cfg;
 }
 
@@ -107,7 +107,6 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   GemmParams p{g.M, g.N, g.K, num_kb, g.w_scale, g.bias, g.bias_f32, stage_bytes};
   cudaLaunchAttribute attr[2];
   cudaLaunchConfig_t cfg = cluster_launch(grid, kThreads, L::kAlloc, stream, CLUSTER, attr);
-  if (CLUSTER == 1) cfg.numAttrs = 0;  // a plain launch
   if (g.pdl) attr[cfg.numAttrs++] = pdl_attribute();
   err = cudaLaunchKernelEx(&cfg, kernel, ta, tb, tsa, tc, p);
   if (err != cudaSuccess) return cudaGetErrorString(err);

@@ -36,8 +36,8 @@ def ext(monkeypatch):
     rec = Recorder()
     monkeypatch.setattr(sm90.build, "load", lambda: rec)
     monkeypatch.setattr(sm90, "_num_sms", lambda index: 132)
-    for knob in ("FP8LINEAR_PDL", "FP8LINEAR_SM90_GEMM_PDL", "FP8LINEAR_SM90_DECODE_CLUSTER", "FP8LINEAR_SM90_FUSE_QUANT",
-                 "FP8LINEAR_SM90_GEMM_CONFIG", "FP8LINEAR_SM90_DECODE_MAX_M",
+    for knob in ("FP8LINEAR_PDL", "FP8LINEAR_SM90_GEMM_PDL", "FP8LINEAR_SM90_DECODE_CLUSTER",
+                 "FP8LINEAR_SM90_FUSE_QUANT", "FP8LINEAR_SM90_GEMM_CONFIG", "FP8LINEAR_SM90_DECODE_MAX_M",
                  "FP8LINEAR_SM90_DECODE_CTAS", "FP8LINEAR_SM90_DECODE_ROWS",
                  "FP8LINEAR_SM90_DECODE_SPLITS", "FP8LINEAR_SM90_DECODE_EARLY_TRIGGER"):
         monkeypatch.delenv(knob, raising=False)
