@@ -25,16 +25,57 @@ int out_code(const at::Tensor& out) {
   return out.scalar_type() == at::kBFloat16 ? fp8l::kOutBF16 : fp8l::kOutFP16;
 }
 
-// a [M,K] fp8; a_scale_t [num_kb, M] fp32 with row stride ld (a multiple of 4); w [N,K] fp8;
-// w_scale blocks or per-row; out [M,N].
-void gemm(const at::Tensor& a, const at::Tensor& a_scale_t, const at::Tensor& w,
+int in_code(const at::Tensor& x) {
+  return x.scalar_type() == at::kBFloat16 ? fp8l::kInBF16
+         : x.scalar_type() == at::kHalf   ? fp8l::kInFP16
+         : x.scalar_type() == at::kFloat  ? fp8l::kInFP32
+                                          : fp8l::kInFP8;
+}
+
+// 16/32-bit activations x [M,K] quantized by the quant kernel into one scratch allocation:
+// fp8 [M,K], then the token-minor scales [num_kb, ld] (ld = M rounded up to 4: 16-byte TMA
+// rows) 16-byte aligned after them. Allocated here rather than in Python, where each
+// torch.empty costs ~4 us of host time; freed at return, which the caching allocator makes
+// safe for work queued on this stream (and capture keeps it in the graph's pool).
+struct Quantized {
+  at::Tensor scratch;
+  void* q;
+  float* scale_t;
+  int ld;
+};
+Quantized quantize(const at::Tensor& x, bool pdl) {
+  const int64_t m = x.size(0), k = x.size(1), num_kb = (k + 127) / 128;
+  const int64_t ld = (m + 3) / 4 * 4, q_bytes = (m * k + 15) / 16 * 16;
+  Quantized r;
+  r.scratch = at::empty({q_bytes + num_kb * ld * 4}, x.options().dtype(at::kByte));
+  r.q = r.scratch.data_ptr();
+  r.scale_t = reinterpret_cast<float*>(static_cast<uint8_t*>(r.q) + q_bytes);
+  r.ld = int(ld);
+  check(fp8l::launch_quant(x.data_ptr(), in_code(x), r.q, r.scale_t, r.ld, int(m), int(k), pdl,
+                           at::cuda::getCurrentCUDAStream()),
+        "quant");
+  return r;
+}
+
+// a [M,K] fp8 with a_scale_t [num_kb, M] fp32 (row stride ld, a multiple of 4); or, without
+// a_scale_t, 16/32-bit activations quantized first (quant_pdl: that kernel under PDL). w [N,K]
+// fp8; w_scale blocks or per-row; out [M,N].
+void gemm(const at::Tensor& a, const c10::optional<at::Tensor>& a_scale_t, const at::Tensor& w,
           const at::Tensor& w_scale, bool per_row, const c10::optional<at::Tensor>& bias,
-          at::Tensor& out, int64_t config, bool pdl) {
+          at::Tensor& out, int64_t config, bool pdl, bool quant_pdl) {
   const c10::cuda::CUDAGuard guard(a.device());
   fp8l::GemmArgs g{};
-  g.a = a.data_ptr();
-  g.a_scale_t = a_scale_t.data_ptr<float>();
-  g.a_scale_ld = int(a_scale_t.stride(0));
+  Quantized qa;
+  if (a_scale_t.has_value()) {
+    g.a = a.data_ptr();
+    g.a_scale_t = a_scale_t->data_ptr<float>();
+    g.a_scale_ld = int(a_scale_t->stride(0));
+  } else {
+    qa = quantize(a, quant_pdl);
+    g.a = qa.q;
+    g.a_scale_t = qa.scale_t;
+    g.a_scale_ld = qa.ld;
+  }
   g.w = w.data_ptr();
   g.w_scale = w_scale.data_ptr<float>();
   g.w_scale_per_row = per_row;
@@ -53,32 +94,47 @@ void gemm(const at::Tensor& a, const at::Tensor& a_scale_t, const at::Tensor& w,
 
 void quant(const at::Tensor& x, at::Tensor& q, at::Tensor& scale_t, bool pdl) {
   const c10::cuda::CUDAGuard guard(x.device());
-  const int in = x.scalar_type() == at::kBFloat16 ? fp8l::kInBF16
-                 : x.scalar_type() == at::kHalf   ? fp8l::kInFP16
-                                                  : fp8l::kInFP32;
-  check(fp8l::launch_quant(x.data_ptr(), in, q.data_ptr(), scale_t.data_ptr<float>(),
+  check(fp8l::launch_quant(x.data_ptr(), in_code(x), q.data_ptr(), scale_t.data_ptr<float>(),
                            int(scale_t.size(1)), int(x.size(0)), int(x.size(1)), pdl,
                            at::cuda::getCurrentCUDAStream()),
         "quant");
 }
 
-// Decode: swap-AB + split-K, activation quantization fused. x [M,K] bf16/fp16, or fp8 with
-// x_scale [M, num_kb]; out [M,N]; workspace fp32 (unused when splits == 1 or cluster_reduce);
-// counters int32 >= tiles, zero.
-void decode(const at::Tensor& x, const c10::optional<at::Tensor>& x_scale, const at::Tensor& w, const at::Tensor& w_scale, bool per_row,
-            const c10::optional<at::Tensor>& bias, at::Tensor& out, at::Tensor& workspace,
-            at::Tensor& counters, int64_t config, int64_t rows, int64_t splits,
-            int64_t ctas_per_sm, bool pdl, bool early_trigger, bool cluster_reduce) {
+// Decode: swap-AB + split-K. x [M,K]: fp8 with x_scale [M, num_kb] (any strides); bf16/fp16
+// quantized inside the kernel (no x_scale, not quant_first); or 16/32-bit quantized by the
+// quant kernel first (quant_first). out [M,N]; workspace_floats: the split reduction's fp32
+// workspace, allocated here (0: none, splits == 1 or cluster_reduce); counters int32 >=
+// tiles, zero.
+void decode(const at::Tensor& x, const c10::optional<at::Tensor>& x_scale, const at::Tensor& w,
+            const at::Tensor& w_scale, bool per_row, const c10::optional<at::Tensor>& bias,
+            at::Tensor& out, int64_t workspace_floats, at::Tensor& counters, int64_t config,
+            int64_t rows, int64_t splits, int64_t ctas_per_sm, bool pdl, bool early_trigger,
+            bool cluster_reduce, bool quant_first) {
   const c10::cuda::CUDAGuard guard(x.device());
   fp8l::DecodeArgs d{};
-  d.x = x.data_ptr();
-  d.x_dtype = x.scalar_type() == at::kBFloat16 ? fp8l::kInBF16
-              : x.scalar_type() == at::kHalf   ? fp8l::kInFP16
-                                               : fp8l::kInFP8;
-  d.x_scale = x_scale.has_value() ? x_scale->data_ptr<float>() : nullptr;
-  // [M, num_kb] (block_fp8_gemm) or the quant kernel's [num_kb, ld]: strides say which
-  d.xs_stride_m = x_scale.has_value() ? int(x_scale->stride(0)) : 0;
-  d.xs_stride_kb = x_scale.has_value() ? int(x_scale->stride(1)) : 0;
+  Quantized qx;
+  if (quant_first) {
+    // (the quant kernel under PDL: after a decode GEMM that lets its dependents launch early,
+    // it starts at once and waits for its input in-kernel)
+    qx = quantize(x, pdl);
+    d.x = qx.q;
+    d.x_dtype = fp8l::kInFP8;
+    d.x_scale = qx.scale_t;  // token-minor [num_kb, ld]
+    d.xs_stride_m = 1;
+    d.xs_stride_kb = qx.ld;
+  } else {
+    d.x = x.data_ptr();
+    d.x_dtype = in_code(x);
+    d.x_scale = x_scale.has_value() ? x_scale->data_ptr<float>() : nullptr;
+    // [M, num_kb] (block_fp8_gemm) or [num_kb, ld] views: strides say which
+    d.xs_stride_m = x_scale.has_value() ? int(x_scale->stride(0)) : 0;
+    d.xs_stride_kb = x_scale.has_value() ? int(x_scale->stride(1)) : 0;
+  }
+  at::Tensor workspace;
+  if (workspace_floats > 0) {
+    workspace = at::empty({workspace_floats}, x.options().dtype(at::kFloat));
+    d.workspace = workspace.data_ptr<float>();
+  }
   d.w = w.data_ptr();
   d.w_scale = w_scale.data_ptr<float>();
   d.w_scale_per_row = per_row;
@@ -86,7 +142,6 @@ void decode(const at::Tensor& x, const c10::optional<at::Tensor>& x_scale, const
   d.bias_f32 = bias.has_value() && bias->scalar_type() == at::kFloat;
   d.out = out.data_ptr();
   d.out_dtype = out_code(out);
-  d.workspace = workspace.data_ptr<float>();
   d.counters = counters.data_ptr<int>();
   d.M = int(x.size(0));
   d.N = int(w.size(0));
@@ -105,7 +160,8 @@ void decode(const at::Tensor& x, const c10::optional<at::Tensor>& x_scale, const
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fp8linear sm_90a kernels";
-  m.def("gemm", &gemm, "large-M block-scaled fp8 GEMM");
+  m.def("gemm", &gemm, "large-M block-scaled fp8 GEMM (activations quantized first without "
+        "a_scale_t)");
   m.def("quant", &quant, "per-token-group activation quantization");
   m.def("decode", &decode, "skinny decode GEMM (swap-AB, split-K, fused quantization)");
 }

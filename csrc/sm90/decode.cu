@@ -120,6 +120,7 @@ std::string launch_decode(const DecodeArgs& d, cudaStream_t stream) {
   if (d.K % 16 != 0 || d.N % 8 != 0) return "K must be a multiple of 16 and N of 8";
   const int num_kb = (d.K + kBlockK - 1) / kBlockK;
   if (d.splits < 1 || d.splits > num_kb) return "splits must be in [1, ceil(K/128)]";
+  if (d.x_dtype == kInFP32) return "fused quantization takes bf16/fp16 activations";
   switch (d.config) {
     case 0: return dispatch_rows<8>(d, stream);
     case 1: return dispatch_rows<16>(d, stream);

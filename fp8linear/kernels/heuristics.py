@@ -38,9 +38,19 @@ def env(name: str) -> str | None:
         return v
 
 
+_on_reload: list = []
+
+
+def on_reload(fn) -> None:
+    """Call fn() whenever reload_env() runs (caches of decisions derived from the knobs)."""
+    _on_reload.append(fn)
+
+
 def reload_env() -> None:
     """Forget the knob values read so far (and the plans derived from them)."""
     _env_cache.clear()
+    for fn in _on_reload:
+        fn()
 
 
 def forced_backend() -> str | None:

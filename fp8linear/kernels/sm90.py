@@ -5,13 +5,16 @@ Two kernels sit behind the backend protocol, chosen by heuristics.sm90_plan:
   launch up to M = 16 where each CTA's slice is small (heuristics.sm90_fuse_quant), else a
   separate quantization kernel first (it lets the GEMM start early under PDL);
 - large M: quantization kernel, then the persistent TMA/wgmma GEMM.
-Python here only reshapes metadata and allocates outputs/workspaces from the torch allocator
-(CUDA-graph safe); every check that matters ran in ops.py before we get here.
+Python here only picks the launch (decided once per problem size, see _launch) and hands
+the extension its tensors; the extension allocates its scratch (quantized activations, the
+split-K workspace) from the torch allocator, so CUDA-graph capture works. Every check that
+matters ran in ops.py before we get here.
 """
 from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -38,7 +41,6 @@ def _num_sms(index: int) -> int:
 
 
 _counters: dict[int, torch.Tensor] = {}
-_no_workspace: dict[int, torch.Tensor] = {}
 
 
 def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
@@ -101,22 +103,55 @@ def _fallback():
     return triton_gemm
 
 
-def _decode(x, x_scale, w, w_scale, bias, out, config, splits, ctas_per_sm, rows):
-    m, n = out.shape
-    per_row = has_row_scales(w_scale, n)
-    bt = heuristics.SM90_DECODE_TILES[config]
-    tiles = cdiv(n, rows) * cdiv(m, bt)
-    cluster = heuristics.sm90_decode_cluster_reduce(config, splits, ctas_per_sm)
-    if splits > 1 and not cluster:
-        ws = torch.empty(splits * tiles * bt * rows, dtype=torch.float32, device=x.device)
-    else:  # (a cached empty tensor: an allocation costs host time on every call)
-        ws = _no_workspace.get(x.device.index)
-        if ws is None:
-            ws = _no_workspace[x.device.index] = torch.empty(0, dtype=torch.float32,
-                                                             device=x.device)
-    build.load().decode(x, x_scale, w, w_scale, per_row, _bias(bias, out), out, ws,
-                        _tile_counters(x.device, tiles), config, rows, splits, ctas_per_sm,
-                        _pdl(), _early_trigger(), cluster)
+class _Launch(NamedTuple):
+    """Everything a launch needs besides its tensors, for one (M, N, K, activation dtype,
+    device): decided once, then looked up (eager calls feel every microsecond of host time:
+    the heuristics and knob reads cost ~5 us a call on the device machine's CPU)."""
+    plan: tuple
+    fused: bool           # the decode kernel quantizes the activations itself
+    tiles: int            # decode: output tiles (their counters)
+    ws_floats: int        # decode: fp32 split-reduction workspace (0: none)
+    cluster: bool
+    pdl: bool
+    early: bool           # decode: early PDL trigger
+    gemm_pdl: bool
+
+
+_launches: dict = {}
+
+
+def _launch(m: int, n: int, k: int, x_dtype, index: int, linear: bool) -> _Launch:
+    key = (m, n, k, x_dtype, index, linear)
+    got = _launches.get(key)
+    if got is not None:
+        return got
+    plan = heuristics.sm90_plan(m, n, k, _num_sms(index))
+    fused, tiles, ws_floats, cluster = False, 0, 0, False
+    if plan[0] == "decode":
+        _, config, splits, ctas, rows = plan
+        fused = (linear and x_dtype != torch.float32
+                 and heuristics.sm90_fuse_quant(m, k, plan))
+        bt = heuristics.SM90_DECODE_TILES[config]
+        tiles = cdiv(n, rows) * cdiv(m, bt)
+        cluster = heuristics.sm90_decode_cluster_reduce(config, splits, ctas)
+        if splits > 1 and not cluster:
+            ws_floats = splits * tiles * bt * rows
+    got = _Launch(plan, fused, tiles, ws_floats, cluster, _pdl(), _early_trigger(),
+                  _gemm_pdl())
+    if heuristics.CACHE_ENV:  # (tests switch knobs between calls: no cache then)
+        _launches[key] = got
+    return got
+
+
+heuristics.on_reload(_launches.clear)  # knobs re-read: decide again
+
+
+def _decode(x, x_scale, w, w_scale, bias, out, lp: _Launch, quant_first: bool = False):
+    _, config, splits, ctas, rows = lp.plan
+    build.load().decode(x, x_scale, w, w_scale, has_row_scales(w_scale, out.shape[1]),
+                        _bias(bias, out), out, lp.ws_floats,
+                        _tile_counters(x.device, lp.tiles), config, rows, splits, ctas, lp.pdl,
+                        lp.early, lp.cluster, quant_first)
 
 
 def _gemm_pdl() -> bool:
@@ -127,13 +162,6 @@ def _gemm_pdl() -> bool:
     # (2112x7168 x 128 17.4 -> 16.4, 6144x4096 x 256 18.6 -> 17.7); 4096x14336 x 256-512 back
     # to back +0.3 to +1.3. FP8LINEAR_SM90_GEMM_PDL=0 turns it off.
     return _pdl() and heuristics.env("FP8LINEAR_SM90_GEMM_PDL") != "0"
-
-
-def _gemm(a, a_scale_t, w, w_scale, bias, out, config):
-    n = w.shape[0]
-    per_row = has_row_scales(w_scale, n)
-    build.load().gemm(a, a_scale_t, w, w_scale, per_row, _bias(bias, out), out, config,
-                      _gemm_pdl())
 
 
 def _scale_t(a_scale, m):
@@ -151,9 +179,9 @@ def _scale_t(a_scale, m):
     return t
 
 
-def _tma_aligned(*ts) -> bool:
+def _tma_aligned(a, w, out) -> bool:
     # TMA descriptors need 16-byte aligned base addresses; views at odd offsets go to Triton.
-    return all(t.data_ptr() % 16 == 0 for t in ts)
+    return (a.data_ptr() | w.data_ptr() | out.data_ptr()) % 16 == 0
 
 
 def gemm(a, a_scale, w, w_scale, bias, out):
@@ -164,13 +192,14 @@ def gemm(a, a_scale, w, w_scale, bias, out):
         return _fallback().gemm(a, a_scale, w, w_scale, bias, out)
     m, k = a.shape
     n = w.shape[0]
-    plan = heuristics.sm90_plan(m, n, k, _num_sms(a.device.index))
+    lp = _launch(m, n, k, a.dtype, a.device.index, False)
     if _LOG_DISPATCH:
-        _log("block_fp8_gemm", a, w, out, f"sm90 {plan}")
-    if plan[0] == "decode":
-        _decode(a, a_scale, w, w_scale, bias, out, *plan[1:])
+        _log("block_fp8_gemm", a, w, out, f"sm90 {lp.plan}")
+    if lp.plan[0] == "decode":
+        _decode(a, a_scale, w, w_scale, bias, out, lp)
     else:
-        _gemm(a, _scale_t(a_scale, m), w, w_scale, bias, out, plan[1])
+        build.load().gemm(a, _scale_t(a_scale, m), w, w_scale, has_row_scales(w_scale, n),
+                          _bias(bias, out), out, lp.plan[1], lp.gemm_pdl, lp.pdl)
 
 
 def linear(x, w, w_scale, bias, out):
@@ -180,21 +209,14 @@ def linear(x, w, w_scale, bias, out):
         return _fallback().linear(x, w, w_scale, bias, out)
     m, k = x.shape
     n = w.shape[0]
-    plan = heuristics.sm90_plan(m, n, k, _num_sms(x.device.index))
-    if x.dtype != torch.float32 and heuristics.sm90_fuse_quant(m, k, plan):
-        if _LOG_DISPATCH:
-            _log("fp8_linear", x, w, out, f"sm90 fused quant + {plan}")
-        _decode(x, None, w, w_scale, bias, out, *plan[1:])
-        return
+    lp = _launch(m, n, k, x.dtype, x.device.index, True)
     if _LOG_DISPATCH:
-        _log("fp8_linear", x, w, out, f"sm90 quant kernel + {plan}")
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    scale_t = torch.empty(cdiv(k, BLOCK), cdiv(m, 4) * 4, dtype=torch.float32, device=x.device)
-    # (under PDL: after a decode GEMM that lets its dependents launch early, the quant kernel
-    # starts at once and waits for its input in-kernel)
-    build.load().quant(x, q, scale_t, _pdl())
-    if plan[0] == "decode":
-        # token-major view of the [Kb, ld] scales: the decode kernel reads them by stride
-        _decode(q, scale_t[:, :m].t(), w, w_scale, bias, out, *plan[1:])
+        _log("fp8_linear", x, w, out,
+             f"sm90 {'fused quant' if lp.fused else 'quant kernel'} + {lp.plan}")
+    if lp.plan[0] == "decode":
+        # fused: the decode kernel quantizes x itself; else the extension runs the quant
+        # kernel first (under PDL: it lets the GEMM start streaming weights early)
+        _decode(x, None, w, w_scale, bias, out, lp, quant_first=not lp.fused)
     else:
-        _gemm(q, scale_t, w, w_scale, bias, out, plan[1])
+        build.load().gemm(x, None, w, w_scale, has_row_scales(w_scale, n), _bias(bias, out),
+                          out, lp.plan[1], lp.gemm_pdl, lp.pdl)

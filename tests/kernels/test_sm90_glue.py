@@ -17,18 +17,16 @@ class Recorder:
     def __init__(self):
         self.calls = []
 
-    def gemm(self, a, a_scale_t, w, w_scale, per_row, bias, out, config, pdl):
+    def gemm(self, a, a_scale_t, w, w_scale, per_row, bias, out, config, pdl, quant_pdl):
         self.calls.append(("gemm", dict(a=a, a_scale_t=a_scale_t, per_row=per_row,
-                                         config=config, pdl=pdl)))
+                                         config=config, pdl=pdl, quant_pdl=quant_pdl)))
 
-    def quant(self, x, q, scale_t, pdl):
-        self.calls.append(("quant", dict(x=x, q=q, scale_t=scale_t, pdl=pdl)))
-
-    def decode(self, x, x_scale, w, w_scale, per_row, bias, out, ws, counters, config, rows,
-               splits, ctas_per_sm, pdl, early_trigger, cluster):
-        self.calls.append(("decode", dict(x=x, x_scale=x_scale, ws=ws, config=config,
-                                          rows=rows, splits=splits, ctas=ctas_per_sm, pdl=pdl,
-                                          early=early_trigger, cluster=cluster)))
+    def decode(self, x, x_scale, w, w_scale, per_row, bias, out, ws_floats, counters, config,
+               rows, splits, ctas_per_sm, pdl, early_trigger, cluster, quant_first):
+        self.calls.append(("decode", dict(x=x, x_scale=x_scale, ws_floats=ws_floats,
+                                          config=config, rows=rows, splits=splits,
+                                          ctas=ctas_per_sm, pdl=pdl, early=early_trigger,
+                                          cluster=cluster, quant_first=quant_first)))
 
 
 @pytest.fixture
@@ -79,17 +77,16 @@ def test_gemm_copies_row_major_scales_into_tma_rows(ext, m):
     assert torch.equal(st[:, :m], a_s.t())
 
 
-def test_linear_large_m_quantizes_then_gemm_on_the_quant_kernels_layout(ext):
+def test_linear_large_m_hands_raw_activations_to_the_extension(ext):
+    """Large M: the extension quantizes x (its own scratch) and runs the GEMM, both under
+    PDL, so the GEMM's launch and prologue overlap the quant kernel."""
     m, n, k = 64, 28672, 4096
     x, _, _, w, ws = _operands(m, n, k)
     sm90.linear(x, w, ws, None, _out(m, n))
-    (k1, q), (k2, g) = ext.calls
-    assert (k1, k2) == ("quant", "gemm")
-    assert g["a"] is q["q"] and g["a_scale_t"] is q["scale_t"]
-    assert q["scale_t"].shape == (k // 128, 64)
+    (kind, g), = ext.calls
+    assert kind == "gemm" and g["a"] is x and g["a_scale_t"] is None
     assert g["config"] == heuristics.sm90_plan(m, n, k, 132)[1]
-    # the GEMM under PDL: its launch and prologue overlap the quant kernel
-    assert q["pdl"] is True and g["pdl"] is True
+    assert g["pdl"] is True and g["quant_pdl"] is True
 
 
 @pytest.mark.parametrize("knob", ["FP8LINEAR_PDL", "FP8LINEAR_SM90_GEMM_PDL"])
@@ -110,9 +107,10 @@ def test_linear_fused_decode_passes_raw_activations(ext):
     sm90.linear(x, w, ws, None, _out(m, n))
     (kind, d), = ext.calls
     assert kind == "decode" and d["x"] is x and d["x_scale"] is None
+    assert d["quant_first"] is False   # the kernel quantizes x itself
     assert (d["rows"], d["splits"], d["ctas"], d["cluster"]) == (64, 2, 2, True)
     assert d["pdl"] is True and d["early"] is True
-    assert d["ws"].numel() == 0    # the cluster reduces in shared memory: no workspace
+    assert d["ws_floats"] == 0     # the cluster reduces in shared memory: no workspace
 
 
 def test_decode_workspace_when_not_clustered(ext, monkeypatch):
@@ -121,7 +119,7 @@ def test_decode_workspace_when_not_clustered(ext, monkeypatch):
     sm90.linear(x, w, ws, None, _out(m, n))
     (_, d), = ext.calls
     assert d["cluster"] is False and (d["splits"], d["rows"]) == (4, 64)
-    assert d["ws"].numel() == 4 * 33 * 8 * 64       # [splits][tiles][BT][rows] fp32
+    assert d["ws_floats"] == 4 * 33 * 8 * 64        # [splits][tiles][BT][rows] fp32
     ext.calls.clear()
     monkeypatch.setenv("FP8LINEAR_SM90_DECODE_EARLY_TRIGGER", "0")
     sm90.linear(x, w, ws, None, _out(m, n))
@@ -131,16 +129,41 @@ def test_decode_workspace_when_not_clustered(ext, monkeypatch):
     assert ext.calls[-1][1]["pdl"] is False
 
 
-def test_linear_unfused_decode_reads_scales_by_stride(ext):
+def test_linear_unfused_decode_quantizes_first(ext):
     m, n, k = 20, 2112, 7168       # 32-token tiles over 56 K blocks: quant kernel + decode
     x, _, _, w, ws = _operands(m, n, k)
     plan = heuristics.sm90_plan(m, n, k, 132)
     assert plan[0] == "decode" and not heuristics.sm90_fuse_quant(m, k, plan)
     sm90.linear(x, w, ws, None, _out(m, n))
-    (k1, q), (k2, d) = ext.calls
-    assert (k1, k2) == ("quant", "decode")
-    assert q["pdl"] is True and d["pdl"] is True   # both under PDL: the quant kernel may start
-    assert d["x"] is q["q"]                        # during the previous decode GEMM
-    # token-major view of the quant kernel's [Kb, ld] scales
-    assert d["x_scale"].shape == (m, k // 128) and d["x_scale"].stride() == (1, 20)
-    assert d["x_scale"].data_ptr() == q["scale_t"].data_ptr()
+    (kind, d), = ext.calls
+    # the extension runs the quant kernel first, both under PDL (the quant kernel may start
+    # during the previous decode GEMM)
+    assert kind == "decode" and d["x"] is x and d["x_scale"] is None
+    assert d["quant_first"] is True and d["pdl"] is True
+
+
+def test_launch_decided_once_per_shape(ext, monkeypatch):
+    """The plan, fusion and knob reads are made once per (M, N, K, dtype, device) while knobs
+    are cached (the eager hot path then does a dict lookup), and again after reload_env()."""
+    monkeypatch.setattr(heuristics, "CACHE_ENV", True)
+    monkeypatch.setattr(sm90, "_launches", {})
+    heuristics.reload_env()
+    monkeypatch.setattr(heuristics, "_on_reload", [sm90._launches.clear])
+    calls = []
+    real = heuristics.sm90_plan
+    monkeypatch.setattr(heuristics, "sm90_plan", lambda *a: calls.append(a) or real(*a))
+    m, n, k = 1, 4096, 4096
+    x, _, _, w, ws = _operands(m, n, k)
+    for _ in range(3):
+        sm90.linear(x, w, ws, None, _out(m, n))
+    assert len(calls) == 1 and len(ext.calls) == 3
+    sm90.linear(x[:, :2048].contiguous(), w[:, :2048].contiguous(),
+                ws[:, :16].contiguous(), None, _out(m, n))          # another K
+    assert len(calls) == 2
+    monkeypatch.setenv("FP8LINEAR_PDL", "0")   # a knob change is seen after reload_env()
+    sm90.linear(x, w, ws, None, _out(m, n))
+    assert ext.calls[-1][1]["pdl"] is True and len(calls) == 2
+    heuristics.reload_env()
+    sm90.linear(x, w, ws, None, _out(m, n))
+    assert ext.calls[-1][1]["pdl"] is False and len(calls) == 3
+    heuristics.reload_env()
