@@ -61,6 +61,8 @@ def layers(m: int, n: int, k: int):
         ("FP8Linear.forward", lambda: mod(x)),
         ("fp8linear.fp8_linear", lambda: fp8linear.fp8_linear(x, w, ws)),
         ("sm90.linear (no checks, out given)", lambda: sm90.linear(x, w, ws, None, out)),
+        ("sm90.linear (no checks, fresh out)", lambda: sm90.linear(
+            x, w, ws, None, torch.empty(m, n, device=dev, dtype=torch.bfloat16))),
     ]
     if plan[0] == "decode" and fused:
         ext = build.load()

@@ -411,6 +411,16 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
         # 64x128 (H100, results/2026-11-24_midm_tiles_sweep_h100.log: 8192^2 x 128 25.9 vs
         # 26.9 us, 4096x14336 x 256 32.3 vs 34.0, 4096x7168 x 256 17.0 vs 17.8, 4096^2 x 256
         # 10.6 vs 11.0; a tie on 6144x4096 and 7168x2048 x 128).
+        # ... except where 128-row tiles would leave a quarter or more of their rows empty
+        # (M = 129-192) and one wave of 64x128 ones fits: fewer wasted rows (DeepGEMM picks
+        # 64-row tiles there too). H100, results/2026-11-24_gemm_midm_192_h100.log, M = 136 /
+        # 160 / 192, block_fp8_gemm back to back: 4096x7168 15.7 / 15.6 / 16.0 us vs 17.6 /
+        # 17.3 / 17.4 with 128x64, 4096x14336 30.0 / 30.5 / 31.0 vs 33.8 / 32.7 / 33.1;
+        # fp8_linear after an elementwise kernel mixed, 2% faster over those points (4096^2
+        # -7 to -11%, 4096x7168 x 160-192 +5%).
+        if (128 < m and cdiv(m, 64) * 64 < cdiv(m, 128) * 128
+                and cdiv(m, 64) * cdiv(n, 128) <= num_sms):
+            return ("gemm", 1)
         if m > 64 and cdiv(m, 128) * cdiv(n, 64) <= num_sms:
             return ("gemm", 7)
         return ("gemm", 1)

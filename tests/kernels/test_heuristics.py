@@ -227,3 +227,14 @@ def test_decode_max_m_knob(monkeypatch):
         monkeypatch.setenv("FP8LINEAR_SM90_DECODE_MAX_M", bad)
         with pytest.raises(ValueError, match="FP8LINEAR_SM90_DECODE_MAX_M"):
             h.sm90_plan(8, 4096, 4096, SMS)
+
+
+@pytest.mark.parametrize("m,n,k,config", [
+    (192, 4096, 14336, 1),   # 128-row tiles a quarter empty, 96 tiles of 64x128: one wave
+    (160, 4096, 7168, 1),
+    (256, 4096, 14336, 7),   # full 128-row tiles: one wave of 128x64
+    (128, 4096, 14336, 6),   # 128 tiles of 64x64
+    (192, 2112, 7168, 6),    # 99 tiles of 64x64
+])
+def test_narrow_n_mid_m_tiles(m, n, k, config):
+    assert h.sm90_plan(m, n, k, SMS) == ("gemm", config)
