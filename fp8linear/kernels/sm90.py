@@ -118,6 +118,9 @@ class _Launch(NamedTuple):
 
 
 _launches: dict = {}
+# Prefill sees many token counts (serving: up to max_num_batched_tokens per weight shape):
+# a bounded cache, emptied when full (rebuilding an entry costs ~10 us once).
+_MAX_LAUNCHES = 8192
 
 
 def _launch(m: int, n: int, k: int, x_dtype, index: int, linear: bool) -> _Launch:
@@ -139,6 +142,8 @@ def _launch(m: int, n: int, k: int, x_dtype, index: int, linear: bool) -> _Launc
     got = _Launch(plan, fused, tiles, ws_floats, cluster, _pdl(), _early_trigger(),
                   _gemm_pdl())
     if heuristics.CACHE_ENV:  # (tests switch knobs between calls: no cache then)
+        if len(_launches) >= _MAX_LAUNCHES:
+            _launches.clear()
         _launches[key] = got
     return got
 

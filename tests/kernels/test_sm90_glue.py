@@ -167,3 +167,13 @@ def test_launch_decided_once_per_shape(ext, monkeypatch):
     sm90.linear(x, w, ws, None, _out(m, n))
     assert ext.calls[-1][1]["pdl"] is False and len(calls) == 3
     heuristics.reload_env()
+
+
+def test_launch_cache_is_bounded(ext, monkeypatch):
+    monkeypatch.setattr(heuristics, "CACHE_ENV", True)
+    monkeypatch.setattr(sm90, "_launches", {})
+    monkeypatch.setattr(sm90, "_MAX_LAUNCHES", 3)
+    for m in range(1, 6):
+        x, _, _, w, ws = _operands(m, 256, 256)
+        sm90.linear(x, w, ws, None, _out(m, 256))
+    assert 1 <= len(sm90._launches) <= 3 and len(ext.calls) == 5
