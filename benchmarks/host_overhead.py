@@ -71,9 +71,8 @@ def layers(m: int, n: int, k: int):
         bt = heuristics.SM90_DECODE_TILES[config]
         tiles = heuristics.cdiv(n, rows_) * heuristics.cdiv(m, bt)
         ws_floats = splits * tiles * bt * rows_ if splits > 1 and not cluster else 0
-        cnt = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=dev)
         rows.append(("extension decode() alone", lambda: ext.decode(
-            x, None, w, ws, False, None, out, ws_floats, cnt, config, rows_, splits, ctas,
+            x, None, w, ws, False, None, out, ws_floats, tiles, config, rows_, splits, ctas,
             True, True, cluster, False)))
     rows += [
         ("ref: bf16 nn.Linear", lambda: lin(x)),

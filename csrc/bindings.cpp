@@ -5,6 +5,11 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <utility>
+
 #include "sm90/api.h"
 
 namespace {
@@ -100,14 +105,29 @@ void quant(const at::Tensor& x, at::Tensor& q, at::Tensor& scale_t, bool pdl) {
         "quant");
 }
 
+// The split reduction's tile counters: int32, zero between launches (the last CTA of a tile
+// resets its own, so no memset per call and CUDA-graph replays find them zero). One array
+// per (device, stream): decode GEMMs on concurrent streams never share one. Grown on demand
+// (the zeroing runs on the current stream, before our kernel).
+at::Tensor tile_counters(const at::Tensor& like, int64_t tiles) {
+  static std::mutex mu;
+  static std::map<std::pair<int, cudaStream_t>, at::Tensor> arrays;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+  std::lock_guard<std::mutex> lock(mu);
+  at::Tensor& c = arrays[{like.get_device(), stream}];
+  if (!c.defined() || c.numel() < tiles)
+    c = at::zeros({std::max<int64_t>(tiles, 4096)}, like.options().dtype(at::kInt));
+  return c;
+}
+
 // Decode: swap-AB + split-K. x [M,K]: fp8 with x_scale [M, num_kb] (any strides); bf16/fp16
 // quantized inside the kernel (no x_scale, not quant_first); or 16/32-bit quantized by the
 // quant kernel first (quant_first). out [M,N]; workspace_floats: the split reduction's fp32
-// workspace, allocated here (0: none, splits == 1 or cluster_reduce); counters int32 >=
-// tiles, zero.
+// workspace, allocated here (0: none, splits == 1 or cluster_reduce); tiles: output tiles
+// (one reduction counter each).
 void decode(const at::Tensor& x, const c10::optional<at::Tensor>& x_scale, const at::Tensor& w,
             const at::Tensor& w_scale, bool per_row, const c10::optional<at::Tensor>& bias,
-            at::Tensor& out, int64_t workspace_floats, at::Tensor& counters, int64_t config,
+            at::Tensor& out, int64_t workspace_floats, int64_t tiles, int64_t config,
             int64_t rows, int64_t splits, int64_t ctas_per_sm, bool pdl, bool early_trigger,
             bool cluster_reduce, bool quant_first) {
   const c10::cuda::CUDAGuard guard(x.device());
@@ -142,6 +162,7 @@ void decode(const at::Tensor& x, const c10::optional<at::Tensor>& x_scale, const
   d.bias_f32 = bias.has_value() && bias->scalar_type() == at::kFloat;
   d.out = out.data_ptr();
   d.out_dtype = out_code(out);
+  const at::Tensor counters = tile_counters(x, tiles);
   d.counters = counters.data_ptr<int>();
   d.M = int(x.size(0));
   d.N = int(w.size(0));

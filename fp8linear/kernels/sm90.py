@@ -40,20 +40,6 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-_counters: dict[int, torch.Tensor] = {}
-
-
-def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    # Zeroed once; the kernel's last CTA per tile resets its counter, so they stay zero
-    # between launches (and across CUDA-graph replays) without a memset per call.
-    idx = device.index
-    c = _counters.get(idx)
-    if c is None or c.numel() < tiles:
-        c = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-        _counters[idx] = c
-    return c
-
-
 def _pdl() -> bool:
     # Programmatic dependent launch lets the weight stream start during the previous kernel's
     # tail. FP8LINEAR_PDL=0 turns it off (e.g. to rule it out when debugging).
@@ -154,8 +140,8 @@ heuristics.on_reload(_launches.clear)  # knobs re-read: decide again
 def _decode(x, x_scale, w, w_scale, bias, out, lp: _Launch, quant_first: bool = False):
     _, config, splits, ctas, rows = lp.plan
     build.load().decode(x, x_scale, w, w_scale, has_row_scales(w_scale, out.shape[1]),
-                        _bias(bias, out), out, lp.ws_floats,
-                        _tile_counters(x.device, lp.tiles), config, rows, splits, ctas, lp.pdl,
+                        _bias(bias, out), out, lp.ws_floats, lp.tiles, config, rows, splits,
+                        ctas, lp.pdl,
                         lp.early, lp.cluster, quant_first)
 
 

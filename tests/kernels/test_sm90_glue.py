@@ -21,9 +21,9 @@ class Recorder:
         self.calls.append(("gemm", dict(a=a, a_scale_t=a_scale_t, per_row=per_row,
                                          config=config, pdl=pdl, quant_pdl=quant_pdl)))
 
-    def decode(self, x, x_scale, w, w_scale, per_row, bias, out, ws_floats, counters, config,
+    def decode(self, x, x_scale, w, w_scale, per_row, bias, out, ws_floats, tiles, config,
                rows, splits, ctas_per_sm, pdl, early_trigger, cluster, quant_first):
-        self.calls.append(("decode", dict(x=x, x_scale=x_scale, ws_floats=ws_floats,
+        self.calls.append(("decode", dict(x=x, x_scale=x_scale, ws_floats=ws_floats, tiles=tiles,
                                           config=config, rows=rows, splits=splits,
                                           ctas=ctas_per_sm, pdl=pdl, early=early_trigger,
                                           cluster=cluster, quant_first=quant_first)))
@@ -120,6 +120,7 @@ def test_decode_workspace_when_not_clustered(ext, monkeypatch):
     (_, d), = ext.calls
     assert d["cluster"] is False and (d["splits"], d["rows"]) == (4, 64)
     assert d["ws_floats"] == 4 * 33 * 8 * 64        # [splits][tiles][BT][rows] fp32
+    assert d["tiles"] == 33                         # one reduction counter each
     ext.calls.clear()
     monkeypatch.setenv("FP8LINEAR_SM90_DECODE_EARLY_TRIGGER", "0")
     sm90.linear(x, w, ws, None, _out(m, n))
