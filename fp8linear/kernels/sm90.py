@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from . import build, heuristics
-from ..quant import BLOCK, cdiv, has_row_scales
+from ..quant import cdiv, has_row_scales
 
 name = "sm90"
 
@@ -141,8 +141,7 @@ def _decode(x, x_scale, w, w_scale, bias, out, lp: _Launch, quant_first: bool = 
     _, config, splits, ctas, rows = lp.plan
     build.load().decode(x, x_scale, w, w_scale, has_row_scales(w_scale, out.shape[1]),
                         _bias(bias, out), out, lp.ws_floats, lp.tiles, config, rows, splits,
-                        ctas, lp.pdl,
-                        lp.early, lp.cluster, quant_first)
+                        ctas, lp.pdl, lp.early, lp.cluster, quant_first)
 
 
 def _gemm_pdl() -> bool:
