@@ -64,7 +64,7 @@ def check_weight(w: torch.Tensor, w_scale: torch.Tensor, name: str = "weight") -
                 and w_scale.device == w.device):
             n, k = w.shape
             sn, skb = w_scale.shape
-            if skb == (k + BLOCK - 1) // BLOCK and (sn == n or sn == (n + BLOCK - 1) // BLOCK):
+            if skb == cdiv(k, BLOCK) and (sn == n or sn == cdiv(n, BLOCK)):
                 return
     except (AttributeError, TypeError):
         pass

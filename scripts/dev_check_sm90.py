@@ -119,7 +119,7 @@ def quant_diag(ext):
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         q = torch.empty(m, k, device="cuda", dtype=torch.float8_e4m3fn)
         st = torch.empty(k // 128, m, device="cuda")
-        ext.quant(x, q, st)
+        ext.quant(x, q, st, False)  # (no PDL)
         tq, ts = fp8linear.quantize_activation(x)
         cq, cs = fp8linear.quantize_activation(x.cpu())
         qb, tb, cb = (t.view(torch.uint8) for t in (q, tq, cq.cuda()))

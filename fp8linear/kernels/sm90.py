@@ -148,9 +148,10 @@ def _gemm_pdl() -> bool:
     # The large-M kernel under PDL: its launch and prologue (barrier init, descriptor
     # prefetch, register split) overlap the previous kernel's tail, e.g. fp8_linear's quant
     # kernel, which lets its dependent launch at once. H100,
-    # results/2026-11-24_gemm_pdl_ab_h100.log, M = 128-512: fp8_linear -0.5 to -1.1 us back to back and after an elementwise kernel
-    # (2112x7168 x 128 17.4 -> 16.4, 6144x4096 x 256 18.6 -> 17.7); 4096x14336 x 256-512 back
-    # to back +0.3 to +1.3. FP8LINEAR_SM90_GEMM_PDL=0 turns it off.
+    # results/2026-11-24_gemm_pdl_ab_h100.log, M = 128-512: fp8_linear -0.5 to -1.1 us back
+    # to back and after an elementwise kernel (2112x7168 x 128 17.4 -> 16.4, 6144x4096 x 256
+    # 18.6 -> 17.7); 4096x14336 x 256-512 back to back +0.3 to +1.3.
+    # FP8LINEAR_SM90_GEMM_PDL=0 turns it off.
     return _pdl() and heuristics.env("FP8LINEAR_SM90_GEMM_PDL") != "0"
 
 

@@ -618,6 +618,23 @@ def test_determinism(backend, m, nk, per_row, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_sm90_decode_rejects_fp32_for_fused_quantization(monkeypatch):
+    """The decode kernel quantizes bf16/fp16 activations itself; fp32 ones must go through
+    the quant kernel first (quant_first), and the extension says so rather than launching."""
+    _select("sm90", monkeypatch)
+    from fp8linear.kernels import build
+    m, n, k = 1, 128, 256
+    x = torch.randn(m, k, device=DEVICE)
+    wq, ws = fp8linear.quantize_weight(torch.randn(n, k, device=DEVICE))
+    out = _poisoned(m, n, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="fused quantization takes bf16/fp16 activations"):
+        build.load().decode(x, None, wq, ws, False, None, out, 0, 1, 0, 128, 1, 1, False,
+                            False, False, False)
+    torch.cuda.synchronize()
+    assert bool(out.isnan().all()), "a rejected launch wrote to its output"
+
+
+@pytest.mark.gpu
 def test_sm90_decode_concurrent_streams(monkeypatch):
     """Split-K decode GEMMs of the same shape on two streams at once: each stream counts its
     tiles' arrivals on its own counters (shared ones would let one stream's CTAs finish the
