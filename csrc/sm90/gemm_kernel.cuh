@@ -185,9 +185,6 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
   // The peer multicasts into our ring and arrives on our barriers: they must exist first.
   if constexpr (CLUSTER > 1) cluster_sync();
   else __syncthreads();
-  // PDL (a no-op without it): the next kernel may launch now; it waits for our completion
-  // (griddepcontrol.wait) before it reads our output, and its CTAs only find room as ours exit.
-  pdl_launch_dependents();
 
   if (wg == kMathWG) {
     // ------------------------------------------------------------------ producer warpgroup
@@ -248,6 +245,13 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
             if (++s == STAGES) { s = 0; phase ^= 1; }
           }
         }
+        // PDL (a no-op without it): the next kernel may launch once every CTA of ours has
+        // issued its last loads (one thread's call counts for its CTA); it waits for our
+        // completion (griddepcontrol.wait) before reading our output. Triggering right after
+        // the prologue instead cost up to 8% back to back (4096x14336 x 256 34.4 vs 31.9 us)
+        // and never triggering lost 3-5% elsewhere; this point: +1.3% geomean back to back,
+        // no point slower (results/2026-11-24_gemm_pdl_trigger_late_ab_h100.log).
+        pdl_launch_dependents();
       }
     } else if (warp_in_wg == 1) {
       // B scales into each stage's slot. A global load is an L2 round trip (~1 us under a
@@ -509,6 +513,12 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
           step(kLast, part0, part1, boundary);
         }
       } else {
+        // Unrolled so that ptxas moves each K block's full-barrier wait and scale loads up into
+        // the previous block's promotion (as in DeepGEMM's unroll-8 loop); rolled, the wait, its
+        // branch and ~30 descriptor instructions sat between the promotion and the next
+        // wgmmas. H100, 256x128 and 128x192 tiles at M >= 512: 1.5-2% faster in geomean
+        // (results/2026-11-24_gemm_unroll_ab_h100.log).
+#pragma unroll 4
         for (int kb = 0; kb < p.num_kb; ++kb) step_waves(boundary);
       }
 
