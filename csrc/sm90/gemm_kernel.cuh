@@ -330,12 +330,16 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
     FP8L_TILE_WALK
     using Mma = WgmmaFp8<BN>;
     constexpr int kRegs = Mma::kRegs;
-    // Two partials when registers allow (BN = 128: 3 x 64 fp32 a thread): K block kb+1's
-    // wgmmas are issued before kb's partial is promoted, so the tensor cores never wait for
-    // a promotion. BN = 192 keeps one partial (3 x 96 would not fit in 232 registers), and so
-    // do per-row B scales (their promotion needs the registers: ptxas spills otherwise).
-    // Two waves (BM = 256) hold two totals (2 x 64) and one partial: 192 registers.
-    constexpr bool kTwoPartials = kWaves == 1 && 3 * kRegs <= 192 && !kPerRowB;
+    // Two partials with one math warpgroup (BM = 64): K block kb+1's wgmmas are issued before
+    // kb's partial is promoted, so the tensor cores never wait for a promotion. With two math
+    // warpgroups each one's promotion runs while the other's wgmmas do, and a single partial
+    // (in the unrolled loop below) is faster: H100, 128x64 / 128x128 tiles at M = 128-512,
+    // +2.3% geomean back to back (up to 8%: 2112x7168 x 512 16.9 -> 15.6 us), +2.2% for
+    // fp8_linear after an elementwise kernel; one partial with BM = 64 was 2-4% slower
+    // (results/2026-11-24_gemm_single_partial_ab_h100.log). Per-row B scales keep one (their
+    // promotion needs the registers: ptxas spills otherwise); BN = 192 and two waves (BM =
+    // 256) have two warpgroups anyway.
+    constexpr bool kTwoPartials = kMathWG == 1 && 3 * kRegs <= 192 && !kPerRowB;
     float acc[kWaves][kRegs];
     float part0[kRegs];
     float part1[kRegs];  // unused (and compiled away) with one partial
@@ -517,7 +521,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
         // the previous block's promotion (as in DeepGEMM's unroll-8 loop); rolled, the wait, its
         // branch and ~30 descriptor instructions sat between the promotion and the next
         // wgmmas. H100, 256x128 and 128x192 tiles at M >= 512: 1.5-2% faster in geomean
-        // (results/2026-11-24_gemm_unroll_ab_h100.log).
+        // (results/2026-11-24_gemm_unroll_ab_h100.log; unrolled by 8: no better).
 #pragma unroll 4
         for (int kb = 0; kb < p.num_kb; ++kb) step_waves(boundary);
       }
