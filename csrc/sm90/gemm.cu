@@ -19,7 +19,8 @@ constexpr Config kConfigs[] = {{128, 128, 5, 1, false}, {64, 128, 8, 1, false},
                                {128, 128, 5, 2, false}, {128, 192, 4, 1, false},
                                {256, 128, 3, 1, false}, {256, 128, 3, 2, true},
                                {64, 64, 12, 1, false},   {128, 64, 8, 1, false},
-                               {64, 32, 16, 1, false},   {64, 16, 16, 1, false}};
+                               {64, 32, 16, 1, false},   {64, 16, 16, 1, false},
+                               {128, 96, 6, 1, false},   {128, 160, 5, 2, false}};
 
 // A launch of `grid` CTAs in clusters of `cluster` along x (1: a plain launch, no cluster
 // attribute); `attr` (room for one more) must outlive the config.
@@ -87,9 +88,13 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
     return e;
   const auto out_type = g.out_dtype == kOutBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                                 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  // output boxes of 64 columns, 128B-swizzled; narrow tiles one unswizzled box of BN columns
-  if (!(e = make_tensor_map_2d(&tc, g.out, out_type, 2, g.M, g.N, g.N, 64, BN < 64 ? BN : 64,
-                               BN < 64 ? CU_TENSOR_MAP_SWIZZLE_NONE : sw128)).empty())
+  // output boxes of 64 columns, 128B-swizzled; of 32 columns, 64B-swizzled, where BN is not a
+  // multiple of 64 (96, 160); narrow tiles one unswizzled box of BN columns
+  constexpr int kBoxCols = BN <= 32 ? BN : BN % 64 == 0 ? 64 : 32;
+  const auto out_swizzle = BN <= 32 ? CU_TENSOR_MAP_SWIZZLE_NONE
+                           : kBoxCols == 32 ? CU_TENSOR_MAP_SWIZZLE_64B : sw128;
+  if (!(e = make_tensor_map_2d(&tc, g.out, out_type, 2, g.M, g.N, g.N, 64, kBoxCols,
+                               out_swizzle)).empty())
     return e;
 
   constexpr auto kernel = fp8_gemm_kernel<BM, BN, STAGES, CLUSTER, kShareA, kPerRow, OutT>;

@@ -123,15 +123,29 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
   using L = GemmSmem<BM, BN, STAGES>;
   constexpr int kMathWG = L::kMathWG;
   constexpr int kWaves = L::kWaves;
-  static_assert((BN % 64 == 0 && BN <= 192) || BN == 16 || BN == 32,
-                "BN: whole 64-column store boxes (<= 96 regs), or one narrow box of 16/32");
+  static_assert((BN % 32 == 0 && BN <= 192) || BN == 16,
+                "BN: 64- or 32-column store boxes (<= 96 regs), or one narrow box of 16");
   static_assert(BM == 64 || BM == 128 || (BM == 256 && BN == 128),
                 "one or two math warpgroups; two waves only with 64 registers a partial");
   static_assert(CLUSTER == 1 || CLUSTER == 2, "pairs of CTAs at most");
   static_assert(CLUSTER == 2 || !kShareA, "sharing A needs a pair");
   // 128x128 weight-scale blocks: a BN-column tile lies in one block when BN divides 128,
-  // else (BN = 192) it can straddle two; the boundary falls on a 64-column multiple.
+  // else (BN = 96, 160, 192) it can straddle two; the boundary falls on a 32-column multiple
+  // (64 for BN = 192).
   constexpr bool kTwoBlocks = !kPerRowB && (128 % BN != 0);
+  // BN = 96 / 160: the boundary is a constant of the tile's K loop (one loop per case, picked
+  // at the tile's start, as DeepGEMM does): a run-time select per 8 columns cost those tiles
+  // 10-15% (session 9). BN = 192 selects once per K block (two cases, below).
+  constexpr bool kStaticBoundary = kTwoBlocks && BN != 192;
+  // Output boxes: 64 columns with the 128-byte swizzle, or (BN = 96 / 160) 32 columns with
+  // the 64-byte swizzle, or one unswizzled box for BN <= 32.
+  constexpr int kBoxCols = BN <= 32 ? BN : BN % 64 == 0 ? 64 : 32;
+  // Who frees a stage: every math lane (it read the stage's B scales itself, and its own
+  // arrival orders that read before the refill) for per-row scales and for the BN = 96 / 160
+  // tiles (with one arrival per warp after __syncwarp, compute-sanitizer's racecheck flagged
+  // the B-scale warp's next write of the slot for those two in its default mode), else lane
+  // 0 of each warp after __syncwarp.
+  constexpr bool kLaneRelease = kPerRowB || kStaticBoundary;
   extern __shared__ uint8_t smem_raw[];
   // 1024-byte alignment (128B swizzle atoms) as an offset into smem_raw: the compiler keeps
   // knowing the pointers are shared (32-bit addresses, LDS), which it does not through a
@@ -168,13 +182,13 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
       // the TMA thread's expect_tx + every thread that wrote B scales into the stage (each
       // writer arrives itself, so its writes are ordered before the consumers' reads)
       mbar_init(&full[s], kPerRowB ? 1 + 32 : 2);
-      // Frees a stage: one arrival per math warp of this CTA (with per-row B scales, per lane:
+      // Frees a stage: one arrival per math warp of this CTA (per lane with kLaneRelease:
       // each read its own scales from the stage, and arrives itself so its reads are ordered
       // before the refill), plus one per math warp of the peer where the peer's data lands in
       // our ring from our loads: the B half we multicast, or (sharing A) the whole A tile the
       // leader (rank 0) multicasts; the follower's ring is refilled by its own loads only.
       const int remote = CLUSTER > 1 && (!kShareA || cluster_ctarank() == 0) ? kMathWG * 4 : 0;
-      mbar_init(&empty[s], (kPerRowB ? kMathWG * 4 * 32 : kMathWG * 4) + remote);
+      mbar_init(&empty[s], (kLaneRelease ? kMathWG * 4 * 32 : kMathWG * 4) + remote);
     }
     fence_barrier_init();
     tma_prefetch_desc(&tmap_a);
@@ -381,7 +395,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
     // B sharing both ways, for A sharing only the leader (rank 0), which multicasts A.
     const bool tell_peer = CLUSTER > 1 && (!kShareA || rank == 1);
     auto release = [&](int st) {
-      if constexpr (kPerRowB) {
+      if constexpr (kLaneRelease) {
         mbar_arrive(&empty[st]);
         if (tell_peer && lane == 0) mbar_arrive_cluster(&empty[st], rank ^ 1);
       } else {
@@ -419,7 +433,9 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
 #pragma unroll
         for (int j = 0; j < kRegs / 4; ++j) {
           float s0 = s0lo, s1 = s1lo;
-          if constexpr (kTwoBlocks) {
+          if constexpr (kStaticBoundary) {
+            if (8 * j >= boundary) s0 = s0hi, s1 = s1hi;  // a literal per K loop (below)
+          } else if constexpr (kTwoBlocks) {
             static_assert(BN == 192, "boundary cases derived for BN = 192");
             if (8 * j >= 128) s0 = s0hi, s1 = s1hi;
             else if (8 * j >= 64) s0 = m0, s1 = m1;
@@ -502,28 +518,42 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
 #pragma unroll
         for (int i = 0; i < kRegs; ++i) acc[w][i] = 0.f;
 
-      if constexpr (kTwoPartials) {
-        mbar_wait(&full[s], phase);
-        issue(part0, s, 0);
-        int kb = 0;
-        for (; kb + 2 < p.num_kb; kb += 2) {
-          step(kIssueNext, part0, part1, boundary);
-          step(kIssueNext, part1, part0, boundary);
-        }
-        if (kb + 1 < p.num_kb) {
-          step(kIssueNext, part0, part1, boundary);
-          step(kLast, part1, part0, boundary);
+      // The tile's K loop, for the boundary `bnd`.
+      auto k_loop = [&](int bnd) {
+        if constexpr (kTwoPartials) {
+          mbar_wait(&full[s], phase);
+          issue(part0, s, 0);
+          int kb = 0;
+          for (; kb + 2 < p.num_kb; kb += 2) {
+            step(kIssueNext, part0, part1, bnd);
+            step(kIssueNext, part1, part0, bnd);
+          }
+          if (kb + 1 < p.num_kb) {
+            step(kIssueNext, part0, part1, bnd);
+            step(kLast, part1, part0, bnd);
+          } else {
+            step(kLast, part0, part1, bnd);
+          }
         } else {
-          step(kLast, part0, part1, boundary);
+          // Unrolled so that ptxas moves each K block's full-barrier wait and scale loads up into
+          // the previous block's promotion (as in DeepGEMM's unroll-8 loop); rolled, the wait, its
+          // branch and ~30 descriptor instructions sat between the promotion and the next
+          // wgmmas. H100, 256x128 and 128x192 tiles at M >= 512: 1.5-2% faster in geomean
+          // (results/2026-11-24_gemm_unroll_ab_h100.log; unrolled by 8: no better).
+  #pragma unroll 4
+          for (int kb = 0; kb < p.num_kb; ++kb) step_waves(bnd);
         }
+      };
+      if constexpr (kStaticBoundary) {
+        // BN = 96 / 160 tiles: the boundary is 32, 64, 96 or >= 128 (every column in the first
+        // block); each call inlines the loop with its literal, so the promotion's per-column
+        // scale choice folds away. (Generic lambdas crash nvcc 13.0's front end here.)
+        if (boundary == 32) k_loop(32);
+        else if (boundary == 64) k_loop(64);
+        else if (boundary == 96) k_loop(96);
+        else k_loop(128);
       } else {
-        // Unrolled so that ptxas moves each K block's full-barrier wait and scale loads up into
-        // the previous block's promotion (as in DeepGEMM's unroll-8 loop); rolled, the wait, its
-        // branch and ~30 descriptor instructions sat between the promotion and the next
-        // wgmmas. H100, 256x128 and 128x192 tiles at M >= 512: 1.5-2% faster in geomean
-        // (results/2026-11-24_gemm_unroll_ab_h100.log; unrolled by 8: no better).
-#pragma unroll 4
-        for (int kb = 0; kb < p.num_kb; ++kb) step_waves(boundary);
+        k_loop(boundary);
       }
 
       // ------------------------------------------------------------------------ epilogue
@@ -543,17 +573,21 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
             b0 = bb.x;
             b1 = bb.y;
           }
-          // box = 64 columns (128 B) x 64 rows; 16-byte chunk index XOR (row % 8) = swizzle.
-          // Narrow tiles (BN = 16/32): one unswizzled box of BN columns.
-          uint8_t* box = my_out + (c / 64) * 64 * 128;
-          const int chunk = (c % 64) / 8;
+          // box = kBoxCols columns x 64 rows. 64 columns (128 B rows): the 16-byte chunk index
+          // XOR (row % 8) is the 128-byte swizzle; 32 columns (64 B rows): chunk XOR ((row / 2)
+          // % 4), the 64-byte swizzle. Narrow tiles (BN = 16/32): one unswizzled box.
+          uint8_t* box = my_out + (c / kBoxCols) * 64 * kBoxCols * 2;
+          const int chunk = (c % kBoxCols) / 8;
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int r = row_in_wg + 8 * h;
             const uint32_t v = OutTraits<OutT>::pack(acc[w][4 * j + 2 * h] + b0,
                                                      acc[w][4 * j + 2 * h + 1] + b1);
-            if constexpr (BN < 64)
+            if constexpr (BN <= 32)
               *reinterpret_cast<uint32_t*>(box + r * BN * 2 + c * 2) = v;
+            else if constexpr (kBoxCols == 32)
+              *reinterpret_cast<uint32_t*>(box + r * 64 + ((chunk ^ ((r >> 1) & 3)) * 16) +
+                                           (col_q * 2)) = v;
             else
               *reinterpret_cast<uint32_t*>(box + r * 128 + ((chunk ^ (r % 8)) * 16) + (col_q * 2)) = v;
           }
@@ -565,9 +599,9 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
 #pragma unroll
         for (int w = 0; w < kWaves; ++w)
 #pragma unroll
-          for (int cb = 0; cb < (BN < 64 ? 1 : BN / 64); ++cb)
-            tma_store_2d(&tmap_c, sOut + wave_row(w) * BN * 2 + cb * 64 * 128, nb * BN + cb * 64,
-                         tile_row0<BM>(mb, p.M) + wave_row(w));
+          for (int cb = 0; cb < BN / kBoxCols; ++cb)
+            tma_store_2d(&tmap_c, sOut + wave_row(w) * BN * 2 + cb * 64 * kBoxCols * 2,
+                         nb * BN + cb * kBoxCols, tile_row0<BM>(mb, p.M) + wave_row(w));
         tma_store_commit();
       }
     }

@@ -260,7 +260,7 @@ def sm90_fuse_quant(m: int, k: int, plan) -> bool:
 SM90_GEMM_CONFIGS = ((128, 128, 5, 1, False), (64, 128, 8, 1, False), (128, 128, 5, 2, False),
                      (128, 192, 4, 1, False), (256, 128, 3, 1, False), (256, 128, 3, 2, True),
                      (64, 64, 12, 1, False), (128, 64, 8, 1, False), (64, 32, 16, 1, False),
-                     (64, 16, 16, 1, False))
+                     (64, 16, 16, 1, False), (128, 96, 6, 1, False), (128, 160, 5, 2, False))
 _FORCE_GEMM = "FP8LINEAR_SM90_GEMM_CONFIG"
 
 
@@ -447,6 +447,19 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
         # 17.4 vs 20.1 us with 128x128, 8192^2 36.7 vs 41.2;
         # results/2026-11-24_midm_tiles_sweep_h100.log).
         candidates = (1, 0, 5, 7)
+    # DeepGEMM's widths (session 10, results/2026-11-24_gemm_bn96_160_ab_h100.log, forced
+    # configs against the heuristic's pick, back to back): 128x160 pairs sharing the weight
+    # tile at 256-1024 tokens (10240x8192 x 256 / 512 / 1024: 39.5 -> 36.9, 73.3 -> 66.4,
+    # 132.8 -> 130.8 us, DeepGEMM 37.7 / 66.4 / 151.7; 2112x7168 x 1024 29.3 -> 28.6) and
+    # one wave of 128x96 tiles at 129-511 tokens (6144x4096 x 192 / 256: 17.2 -> 13.3, 14.6
+    # -> 13.5; DeepGEMM 15.0 / 13.5). Listed last (ties keep the older tiles) and only where
+    # measured: 128x96 lost at 512 tokens though it makes fewer waves (6144x4096: 24.4 vs
+    # 21.5 us); where either takes more waves than the others it loses as the waves say
+    # (57344x8192, 8192^2 at M >= 256).
+    if 256 <= m <= 1024:
+        candidates += (11,)
+    if 128 < m < 512 and cdiv(m, 128) * cdiv(n, 96) <= num_sms:
+        candidates += (10,)
     best = min(candidates, key=lambda c: _waves_x_area(m, n, num_sms, SM90_GEMM_CONFIGS[c]))
     # 128x128 pairs multicasting the shared weight tile from M >= 4096: 1-4% faster there
     # (less L2 traffic), 1-3% slower below, where the pair's lockstep costs more than it

@@ -16,7 +16,8 @@ H100 = h.TritonDevice(SMS, 227 * 1024, False, (9, 0))
     (128, 8192, 8192, 7),     # one wave of 128x64 (25.9 us) vs 64x128 (26.9)
     (256, 4096, 14336, 7),    # 32.3 vs 34.0 us with 64x128
     (256, 2112, 7168, 6),     # 132 tiles of 64x64 still fit one wave
-    (192, 6144, 4096, 1),     # a tie of waves x area: 64x128 pads no half-empty block
+    (192, 6144, 4096, 10),    # one wave of 128x96 (13.3 us) vs 64x128 (17.2)
+    (160, 4096, 4096, 1),     # a tie of waves x area: 64x128 pads no half-empty block
     (192, 8192, 8192, 1),
     (128, 24576, 1536, 1),    # 3 waves of 64x128 vs 2 of 128x128 (half the area each)
     (128, 10240, 8192, 0),    # one wave of 128x128 vs two of 64x128: the tie keeps 128x128
@@ -31,15 +32,19 @@ H100 = h.TritonDevice(SMS, 227 * 1024, False, (9, 0))
     (64, 28672, 4096, 1),     # 2 waves of 64x128 = 4 of 64x64: the tie keeps 64x128
     (64, 24576, 1536, 6),     # 3 waves of 64x64 vs 2 of 64x128
     (32, 4096, 4096, 6),      # 17-32 tokens over <= 32 K blocks, one wave of 64x64
-    (256, 10240, 8192, 3),    # 128x192 from 256 tokens: one wave of 108 tiles
-    (256, 6144, 4096, 0),     # one wave of 128x128 vs 128x192's 64 larger tiles
+    (256, 10240, 8192, 11),   # one wave of 128x160 pairs (36.9 us) vs 108 128x192 (39.5)
+    (512, 10240, 8192, 11),   # 2 waves of 128x160 pairs vs 2 of 128x192 (66.4 vs 73.3 us)
+    (512, 57344, 8192, 5),    # 128x160 would take more waves x area
+    (2048, 10240, 8192, 5),   # 128x160 only up to 1024 tokens
+    (256, 6144, 4096, 10),    # one wave of 128x96 (13.5 us) vs 128x128 (14.6)
+    (512, 6144, 4096, 3),     # 128x96 only below 512 tokens (24.4 vs 21.5 us with 128x192)
     (512, 4096, 4096, 0),     # one full wave of 128x128; 256x128 would idle half the SMs
     (512, 8192, 8192, 5),     # two waves of 128x128 = one of 256x128, which is cheaper
     (8192, 8192, 8192, 5),
     (2048, 4096, 4096, 5),
     (512, 28672, 4096, 3),    # 5 waves of 128x192 (0.9 an area) vs 4 of 256x128 (0.87)
     (512, 2112, 7168, 7),     # 68 tiles of 128x128 (half a wave) or 132 of 128x64
-    (1024, 2112, 7168, 3),    # 2112 = 11 x 192: one full wave of 128x192 (34 vs 37 us)
+    (1024, 2112, 7168, 11),   # 56 128x160 pairs, under one wave (28.6 vs 29.3 us)
     (4096, 2112, 7168, 3),    # 2112 = 11 x 192: 3 waves of 128x192 instead of 5 of 128x128
     (2048, 2112, 7168, 3),    # 2 waves of 128x192 vs 3 of 128x128 (68 vs 75 us)
     (8192, 2112, 7168, 3),    # 6 waves of 128x192 vs 5 of 256x128 pairs
