@@ -13,8 +13,8 @@
 // it and multicasting it to both; or with kShareA horizontally adjacent ones share the
 // activation (A) tile, which the leader (rank 0) loads whole for both. The L2 -> SM traffic
 // per tile drops by half the shared tile (256x128 pairs sharing A: a third).
-// Epilogue: registers -> 128B-swizzled shared memory -> TMA store (clipped at M/N edges), while
-// the producer already streams the next tile.
+// Epilogue: registers -> swizzled shared memory (128B, or 64B for 32-column boxes) -> TMA store
+// (clipped at M/N edges), while the producer already streams the next tile.
 #pragma once
 #include <cstdint>
 #include <cuda.h>
