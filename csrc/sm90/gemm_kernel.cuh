@@ -535,12 +535,12 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
             step(kLast, part0, part1, bnd);
           }
         } else {
-          // Unrolled so that ptxas moves each K block's full-barrier wait and scale loads up into
-          // the previous block's promotion (as in DeepGEMM's unroll-8 loop); rolled, the wait, its
-          // branch and ~30 descriptor instructions sat between the promotion and the next
-          // wgmmas. H100, 256x128 and 128x192 tiles at M >= 512: 1.5-2% faster in geomean
+          // Unrolled so that ptxas moves each K block's full-barrier wait and scale loads up
+          // into the previous block's promotion (as in DeepGEMM's unroll-8 loop); rolled, the
+          // wait, its branch and ~30 descriptor instructions sat between the promotion and the
+          // next wgmmas. H100, 256x128 and 128x192 tiles at M >= 512: 1.5-2% faster in geomean
           // (results/2026-11-24_gemm_unroll_ab_h100.log; unrolled by 8: no better).
-  #pragma unroll 4
+#pragma unroll 4
           for (int kb = 0; kb < p.num_kb; ++kb) step_waves(bnd);
         }
       };
@@ -589,7 +589,8 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
               *reinterpret_cast<uint32_t*>(box + r * 64 + ((chunk ^ ((r >> 1) & 3)) * 16) +
                                            (col_q * 2)) = v;
             else
-              *reinterpret_cast<uint32_t*>(box + r * 128 + ((chunk ^ (r % 8)) * 16) + (col_q * 2)) = v;
+              *reinterpret_cast<uint32_t*>(box + r * 128 + ((chunk ^ (r % 8)) * 16) +
+                                           (col_q * 2)) = v;
           }
         }
       }
