@@ -454,7 +454,8 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
     # one wave of 128x96 tiles at 129-511 tokens (6144x4096 x 192 / 256: 17.2 -> 13.3, 14.6
     # -> 13.5; DeepGEMM 15.0 / 13.5). Listed last (ties keep the older tiles) and only where
     # measured: 128x96 lost at 512 tokens though it makes fewer waves (6144x4096: 24.4 vs
-    # 21.5 us); where either takes more waves than the others it loses as the waves say
+    # 21.5 us), 128x160 pairs at 2048+ (10240x8192 x 4096: 522.7 vs 499.9 with 256x128
+    # pairs); where either takes more waves than the others it loses as the waves say
     # (57344x8192, 8192^2 at M >= 256).
     if 256 <= m <= 1024:
         candidates += (11,)
