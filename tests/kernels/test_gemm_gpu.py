@@ -405,6 +405,34 @@ def test_sm90_every_gemm_config(config, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [c for c, cfg in enumerate(heuristics.SM90_GEMM_CONFIGS)
+                                    if 128 % cfg[1] != 0 and cfg[1] != 192])
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("out", ["bf16", "fp16"])
+def test_sm90_tiles_straddling_scale_blocks(config, per_row, out, monkeypatch):
+    """128x96 / 128x160 tiles straddle 128-row weight-scale blocks at every 32-column offset:
+    each tile's K loop is specialised for its boundary (32, 64, 96 or none), and the output
+    goes out in 64B-swizzled 32-column boxes. N spans more than four tiles (every boundary
+    case), is a multiple of neither the tile nor 128 and gives an odd tile count (a pair's
+    second CTA then lies past N); K has a partial last block."""
+    _select("sm90", monkeypatch)
+    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_CONFIG", str(config))
+    bn = heuristics.SM90_GEMM_CONFIGS[config][1]
+    n = 6 * bn + 40                                    # 7 tiles, the last one partial
+    m, k = 300, 1040
+    c = {"m": m, "n": n, "k": k, "per_row": per_row, "out": out, "bias": "out",
+         "seed": _seed("straddle", config, per_row, out)}
+    x, a, a_s, wq, ws, bias = make_data(c)
+    ref, mag = reference(a, a_s, wq, ws, bias)
+    dt = DTYPES[out]
+    got = _poisoned(m, n, dt)
+    fp8linear.block_fp8_gemm(a, a_s, wq, ws, out_dtype=dt, out=got, bias=bias)
+    torch.cuda.synchronize()
+    assert heuristics.sm90_plan(m, n, k, 132) == ("gemm", config)
+    assert_close(got, ref, mag, f"config {config} N={n} per_row={per_row} {out}", bias=bias)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", range(len(heuristics.SM90_GEMM_CONFIGS)))
 @pytest.mark.parametrize("extra", [8, 7])    # 7: the moved block's first row rounded up to x4
 def test_sm90_last_m_block_moved_in_bounds(config, extra, monkeypatch):
