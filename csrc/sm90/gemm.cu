@@ -88,12 +88,11 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
     return e;
   const auto out_type = g.out_dtype == kOutBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                                 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  // output boxes of 64 columns, 128B-swizzled; of 32 columns, 64B-swizzled, where BN is not a
-  // multiple of 64 (96, 160); narrow tiles one unswizzled box of BN columns
-  constexpr int kBoxCols = BN <= 32 ? BN : BN % 64 == 0 ? 64 : 32;
+  // output boxes as the kernel lays them out (GemmSmem::kBoxCols): 64 columns 128B-swizzled,
+  // 32 columns 64B-swizzled, narrow tiles one unswizzled box of BN columns
   const auto out_swizzle = BN <= 32 ? CU_TENSOR_MAP_SWIZZLE_NONE
-                           : kBoxCols == 32 ? CU_TENSOR_MAP_SWIZZLE_64B : sw128;
-  if (!(e = make_tensor_map_2d(&tc, g.out, out_type, 2, g.M, g.N, g.N, 64, kBoxCols,
+                           : L::kBoxCols == 32 ? CU_TENSOR_MAP_SWIZZLE_64B : sw128;
+  if (!(e = make_tensor_map_2d(&tc, g.out, out_type, 2, g.M, g.N, g.N, 64, L::kBoxCols,
                                out_swizzle)).empty())
     return e;
 

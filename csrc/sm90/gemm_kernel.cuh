@@ -76,6 +76,10 @@ struct GemmSmem {
   static constexpr int kABytes = BM * kBlockK;
   static constexpr int kBBytes = BN * kBlockK;
   static constexpr int kOutBytes = BM * BN * 2;  // 16-bit outputs
+  // Output boxes (the kernel's smem layout and the host's tensor map must agree): 64 columns
+  // with the 128-byte swizzle, or (BN = 96 / 160) 32 columns with the 64-byte swizzle, or one
+  // unswizzled box for BN <= 32.
+  static constexpr int kBoxCols = BN <= 32 ? BN : BN % 64 == 0 ? 64 : 32;
   static constexpr int kA = 0;
   static constexpr int kB = kA + STAGES * kABytes;
   static constexpr int kOut = kB + STAGES * kBBytes;
@@ -137,9 +141,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
   // at the tile's start, as DeepGEMM does): a run-time select per 8 columns cost those tiles
   // 10-15% (session 9). BN = 192 selects once per K block (two cases, below).
   constexpr bool kStaticBoundary = kTwoBlocks && BN != 192;
-  // Output boxes: 64 columns with the 128-byte swizzle, or (BN = 96 / 160) 32 columns with
-  // the 64-byte swizzle, or one unswizzled box for BN <= 32.
-  constexpr int kBoxCols = BN <= 32 ? BN : BN % 64 == 0 ? 64 : 32;
+  constexpr int kBoxCols = L::kBoxCols;
   // Who frees a stage: every math lane (it read the stage's B scales itself, and its own
   // arrival orders that read before the refill) for per-row scales and for the BN = 96 / 160
   // tiles (with one arrival per warp after __syncwarp, compute-sanitizer's racecheck flagged

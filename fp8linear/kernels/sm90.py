@@ -144,6 +144,12 @@ def _decode(x, x_scale, w, w_scale, bias, out, lp: _Launch, quant_first: bool = 
                         ctas, lp.pdl, lp.early, lp.cluster, quant_first)
 
 
+def _gemm(a, a_scale_t, w, w_scale, bias, out, lp: _Launch):
+    # a_scale_t None: a holds 16/32-bit activations, which the extension quantizes first
+    build.load().gemm(a, a_scale_t, w, w_scale, has_row_scales(w_scale, out.shape[1]),
+                      _bias(bias, out), out, lp.plan[1], lp.gemm_pdl, lp.pdl)
+
+
 def _gemm_pdl() -> bool:
     # The large-M kernel under PDL: its launch and prologue (barrier init, descriptor
     # prefetch, register split) overlap the previous kernel's tail, e.g. fp8_linear's quant
@@ -189,8 +195,7 @@ def gemm(a, a_scale, w, w_scale, bias, out):
     if lp.plan[0] == "decode":
         _decode(a, a_scale, w, w_scale, bias, out, lp)
     else:
-        build.load().gemm(a, _scale_t(a_scale, m), w, w_scale, has_row_scales(w_scale, n),
-                          _bias(bias, out), out, lp.plan[1], lp.gemm_pdl, lp.pdl)
+        _gemm(a, _scale_t(a_scale, m), w, w_scale, bias, out, lp)
 
 
 def linear(x, w, w_scale, bias, out):
@@ -209,5 +214,4 @@ def linear(x, w, w_scale, bias, out):
         # kernel first (under PDL: it lets the GEMM start streaming weights early)
         _decode(x, None, w, w_scale, bias, out, lp, quant_first=not lp.fused)
     else:
-        build.load().gemm(x, None, w, w_scale, has_row_scales(w_scale, n), _bias(bias, out),
-                          out, lp.plan[1], lp.gemm_pdl, lp.pdl)
+        _gemm(x, None, w, w_scale, bias, out, lp)
