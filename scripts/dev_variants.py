@@ -169,6 +169,12 @@ def main() -> int:
         del sd
         torch.cuda.empty_cache()
     bad = [r for r in rows if max(r["errs"].values()) > 2e-3]
+    # each variant against the first (the A/B's baseline): speedup geomean, min, max
+    for name in names[1:]:
+        r = [row["us"][names[0]] / row["us"][name] for row in rows]
+        if r:
+            print(f"{name} vs {names[0]}: geomean {C.geomean(r):.3f} min {min(r):.3f} "
+                  f"max {max(r):.3f} over {len(r)} points", flush=True)
     print(f"points {len(rows)}; error > 2e-3: {len(bad)}; read bandwidth {bw:.0f} GB/s")
     if args.json:
         with open(args.json, "w") as f:

@@ -173,9 +173,8 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
   pdl_wait();                   // activations come from the previous kernel
   if (fused) {
     // The CTA's activation slice, quantized once into resident tiles while the producer fills
-    // the weight ring: (token, K block) groups of 128 channels spread over the 8 warps, a lane
-    // 4 channels, kLoads groups' loads in flight per warp (one L2 round trip for <= 8 groups a
-    // warp). Padding tokens' rows and scales are zero.
+    // the weight ring: (token, K block) groups of 128 channels spread over the 8 warps.
+    // Padding tokens' rows and scales are zero.
     const int live = min(BT, p.M - m0);
     for (int e = tid; e < (BT - live) * kbs * 8; e += 256) {  // 16-byte chunks of padding rows
       const int row = e / 8, t = live + row % (BT - live), i = row / (BT - live);
@@ -186,47 +185,54 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
       sXS[(e / (BT - live)) * BT + live + e % (BT - live)] = 0.f;
     const uint16_t* xr = static_cast<const uint16_t*>(p.x);
     const int groups = live * kbs;
+    // A group's 128 channels are a half-warp's 16-byte loads (8 channels a lane): one load
+    // instruction of a warp serves two groups, a batch of kLoads loads 16 x kLoads groups of
+    // the CTA, all in flight at once. Issued while the weight ring streams, each batch waits
+    // behind the queued weight tiles (2-4 us on an H100: session 11's probe), so few batches
+    // keep the prologue short. (16 loads a lane at one CTA an SM: ~1 us slower at M = 1-2.)
     constexpr int kLoads = 8;
-    for (int g0 = warp; g0 < groups; g0 += 8 * kLoads) {  // warp-uniform
-      uint2 bits[kLoads];
+    const int half = lane / 16, hl = lane % 16;
+    for (int gw = warp; gw < groups; gw += 16 * kLoads) {  // warp-uniform (shuffles)
+      const int g0 = gw + 8 * half;
+      uint4 bits[kLoads];
 #pragma unroll
       for (int u = 0; u < kLoads; ++u) {
-        const int g = g0 + 8 * u, t = g / kbs, k = (kb0 + g % kbs) * kBlockK + lane * 4;
-        bits[u] = make_uint2(0, 0);  // channels past K (K % 16 == 0: a lane's 4 are in or out)
+        const int g = g0 + 16 * u, t = g / kbs, k = (kb0 + g % kbs) * kBlockK + hl * 8;
+        bits[u] = make_uint4(0, 0, 0, 0);  // channels past K (K % 16 == 0: a lane's 8 are
+                                           // all in or all out)
         if (g < groups && k < p.K)
-          bits[u] = *reinterpret_cast<const uint2*>(xr + size_t(m0 + t) * p.K + k);
+          bits[u] = *reinterpret_cast<const uint4*>(xr + size_t(m0 + t) * p.K + k);
       }
-      // The quant kernel's steps (quant.cuh: amax over the warp, scale = amax / 448, x / scale
-      // rounded to e4m3) for the kLoads groups side by side, so that their warp reductions
-      // overlap instead of running one after another (a shuffle is ~30 cycles). Row t of a
-      // K block's [BT x 128] tile, 128B-swizzled like a TMA box: chunk c at c ^ (t % 8).
-      float v[kLoads][4], amax[kLoads];
+      // The quant kernel's steps (quant.cuh: amax over the group, scale = amax / 448, x /
+      // scale rounded to e4m3) for the batch's groups side by side, so that their shuffle
+      // reductions overlap. Row t of a K block's [BT x 128] tile, 128B-swizzled like a TMA
+      // box: chunk c at c ^ (t % 8); a lane's 8 bytes are half of chunk hl / 2.
+      float amax[kLoads];
 #pragma unroll
       for (int u = 0; u < kLoads; ++u) {
-        if (p.x_dtype == kInFP16) {
-          const __half* h = reinterpret_cast<const __half*>(&bits[u]);
-          for (int q = 0; q < 4; ++q) v[u][q] = to_f(h[q]);
-        } else {
-          const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&bits[u]);
-          for (int q = 0; q < 4; ++q) v[u][q] = to_f(h[q]);
-        }
-        amax[u] = fmaxf(fmaxf(fabsf(v[u][0]), fabsf(v[u][1])),
-                        fmaxf(fabsf(v[u][2]), fabsf(v[u][3])));
+        float v[8];
+        unpack8(bits[u], p.x_dtype == kInFP16, v);
+        amax[u] = 0.f;
+#pragma unroll
+        for (int q = 0; q < 8; ++q) amax[u] = fmaxf(amax[u], fabsf(v[q]));
       }
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1)
+      for (int o = 8; o > 0; o >>= 1)
 #pragma unroll
         for (int u = 0; u < kLoads; ++u)
           amax[u] = fmaxf(amax[u], __shfl_xor_sync(0xffffffffu, amax[u], o));
 #pragma unroll
       for (int u = 0; u < kLoads; ++u) {
-        const int g = g0 + 8 * u, t = g / kbs, i = g % kbs;
+        const int g = g0 + 16 * u, t = g / kbs, i = g % kbs;
         if (g < groups) {
-          const float scale = fmaxf(amax[u], kAmaxEps) / kFp8Max;
-          *reinterpret_cast<uint32_t*>(sX + (i * BT + t) * kBlockK +
-                                       (((lane / 4) ^ (t % 8)) * 16) + (lane % 4) * 4) =
-              quantize4(v[u], scale);
-          if (lane == 0) sXS[i * BT + t] = scale;
+          const GroupScale gs = group_scale(amax[u]);
+          float v[8];
+          unpack8(bits[u], p.x_dtype == kInFP16, v);
+          uint2 packed;
+          quantize<8>(v, gs, &packed.x);
+          *reinterpret_cast<uint2*>(sX + (i * BT + t) * kBlockK +
+                                    (((hl / 2) ^ (t % 8)) * 16) + (hl % 2) * 8) = packed;
+          if (hl == 0) sXS[i * BT + t] = gs.scale;
         }
       }
     }
@@ -385,12 +391,13 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
   const int tiles = gridDim.x * gridDim.y;
   const int tile = blockIdx.y * gridDim.x + blockIdx.x;
   write_partial(p.workspace + (size_t(split) * tiles + tile) * BT * kRows);
-  __threadfence();
+  // One acq_rel atomic orders the CTA's partial (the barrier before it makes every thread's
+  // stores precede it) before the count, and, for the last CTA, the other splits' partials
+  // before its reads (the barrier after it): no fence from every thread.
   named_barrier(1, 256);
-  if (tid == 0) *flag = atomicAdd(&p.counters[tile], 1) == p.splits - 1;
+  if (tid == 0) *flag = atom_add_acq_rel_gpu(&p.counters[tile], 1) == p.splits - 1;
   named_barrier(1, 256);
   if (!*flag) return;
-  __threadfence();  // see the other splits' partials
   // Sum the splits in split order (bitwise deterministic). float4 loads, kUnroll x 4 of them
   // in flight per thread: the partials sit in L2, and one round trip per element would add
   // microseconds to every decode step.

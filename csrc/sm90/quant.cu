@@ -39,8 +39,10 @@ __global__ void quant_kernel(const T* __restrict__ x, uint8_t* __restrict__ q,
   load4(src, k0, K, v);
   float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
   amax = warp_max(amax);
-  const float scale = fmaxf(amax, kAmaxEps) / kFp8Max;
-  const uint32_t packed = quantize4(v, scale);
+  const GroupScale gs = group_scale(amax);
+  uint32_t packed;
+  quantize<4>(v, gs, &packed);
+  const float scale = gs.scale;
   uint8_t* dst = q + size_t(m) * K + k0;
   if (k0 + 4 <= K) {
     *reinterpret_cast<uint32_t*>(dst) = packed;  // K % 16 == 0 keeps this 4-byte aligned

@@ -42,16 +42,60 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// x / scale, clamped to +-448, rounded to nearest e4m3; 4 values packed little-endian.
-__device__ __forceinline__ uint32_t quantize4(const float v[4], float scale) {
-  uint32_t out = 0;
+// 8 bf16 (or fp16) values packed in 16 bytes, as floats
+__device__ __forceinline__ void unpack8(const uint4& bits, bool fp16, float v[8]) {
+  const uint32_t w[4] = {bits.x, bits.y, bits.z, bits.w};
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float t = fminf(fmaxf(__fdiv_rn(v[i], scale), -kFp8Max), kFp8Max);
-    const __nv_fp8_storage_t b = __nv_cvt_float_to_fp8(t, __NV_SATFINITE, __NV_E4M3);
-    out |= uint32_t(b) << (8 * i);
+  for (int q = 0; q < 4; ++q) {
+    if (fp16) {
+      const __half2 h = *reinterpret_cast<const __half2*>(&w[q]);
+      v[2 * q] = __low2float(h);
+      v[2 * q + 1] = __high2float(h);
+    } else {
+      const __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&w[q]);
+      v[2 * q] = __low2float(h);
+      v[2 * q + 1] = __high2float(h);
+    }
   }
-  return out;
+}
+
+// The scale of a group and its reciprocal: scale = max(amax, eps) / 448 (IEEE division, as
+// fp8linear.quant.quantize_activation), rcp = 1 / scale rounded to nearest.
+struct GroupScale {
+  float scale, rcp;
+};
+__device__ __forceinline__ GroupScale group_scale(float amax) {
+  const float s = __fdiv_rn(fmaxf(amax, kAmaxEps), kFp8Max);
+  return {s, __frcp_rn(s)};
+}
+
+// x / scale rounded to nearest fp32, exactly as IEEE division (__fdiv_rn) gives it, in three
+// instructions with the group's reciprocal: q = x * rcp is within one ulp of x / scale, and
+// one correction with the exact residual x - q * scale (an FMA) rounds it correctly
+// (Markstein's theorem: rcp correctly rounded, q within an ulp, no overflow; quotients too
+// small for that are far below fp8's smallest subnormal, and copysign keeps the sign of a
+// zero). __fdiv_rn per element costs ~10 instructions and a range-check branch, which made
+// the decode kernel's fused quantization compute-bound on long K ranges.
+__device__ __forceinline__ float div_by_scale(float x, const GroupScale& g) {
+  const float q = __fmul_rn(x, g.rcp);
+  const float r = __fmaf_rn(-q, g.scale, x);
+  return copysignf(__fmaf_rn(r, g.rcp, q), x);
+}
+
+// x / scale rounded to nearest e4m3, saturating at +-448 (NaN stays NaN); n values (a multiple
+// of 2) packed little-endian into n / 4 words.
+template <int n>
+__device__ __forceinline__ void quantize(const float* v, const GroupScale& g, uint32_t* out) {
+#pragma unroll
+  for (int w = 0; w < n / 4; ++w) {
+    const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
+        make_float2(div_by_scale(v[4 * w], g), div_by_scale(v[4 * w + 1], g)), __NV_SATFINITE,
+        __NV_E4M3);
+    const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
+        make_float2(div_by_scale(v[4 * w + 2], g), div_by_scale(v[4 * w + 3], g)),
+        __NV_SATFINITE, __NV_E4M3);
+    out[w] = uint32_t(lo) | (uint32_t(hi) << 16);
+  }
 }
 
 }  // namespace fp8l

@@ -569,6 +569,60 @@ def test_sm90_decode_fused_quantization(fuse, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_sm90_quant_kernel_bit_exact(dtype, monkeypatch):
+    """The sm90 quant kernel (one reciprocal a group and a corrected product instead of a
+    division per element) gives exactly quantize_activation's fp8 bits and scales: values
+    over many orders of magnitude, signed zeros, tails in K (finite inputs: the kernel's amax
+    skips NaN where torch's propagates it)."""
+    _select("sm90", monkeypatch)
+    from fp8linear.kernels import build
+    ext = build.load()
+    g = torch.Generator(device=DEVICE).manual_seed(_seed("quant-bits", dtype))
+    for m, k in ((1, 128), (7, 4096), (33, 7168 + 16), (64, 1552)):
+        x = torch.randn(m, k, generator=g, device=DEVICE)
+        x = x * torch.exp(2.0 * torch.randn(m, k, generator=g, device=DEVICE))  # < fp16 max
+        x[m // 2] *= 1e-6                     # tiny groups: quotients near fp8's subnormals
+        x[:, ::97] = -0.0
+        x = x.to(DTYPES[dtype])
+        want_q, want_s = fp8linear.quantize_activation(x)
+        kb = want_s.shape[1]
+        q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=DEVICE)
+        st = torch.empty(kb, (m + 3) // 4 * 4, dtype=torch.float32, device=DEVICE)
+        ext.quant(x, q, st, False)
+        torch.cuda.synchronize()
+        assert torch.equal(st[:, :m].t().contiguous().view(torch.int32),
+                           want_s.view(torch.int32)), f"scales m={m} k={k} {dtype}"
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), \
+            f"fp8 values m={m} k={k} {dtype}"
+
+
+@pytest.mark.gpu
+def test_sm90_fused_quantization_bit_exact(monkeypatch):
+    """fp8_linear with the quantization fused into the decode kernel equals, bit for bit,
+    block_fp8_gemm on quantize_activation's output (the same plan, so the same sums): the
+    fused quantization is exactly the reference's, at every token count and K range it
+    serves, bf16 and fp16 inputs."""
+    _select("sm90", monkeypatch)
+    monkeypatch.setenv("FP8LINEAR_SM90_FUSE_QUANT", "1")
+    heuristics.reload_env()
+    fused = 0
+    for i, (m, n, k, dt) in enumerate(((1, 2112, 7168, "bf16"), (4, 4096, 4096, "fp16"),
+                                       (8, 6144, 4096, "bf16"), (13, 1024, 2064, "bf16"),
+                                       (16, 4096, 7168, "fp16"), (3, 576, 7168, "bf16"))):
+        c = dict(m=m, n=n, k=k, out=dt, per_row=i % 2 == 1, bias=None,
+                 seed=_seed("fused-bits", m, n, k))
+        x, a, a_s, wq, ws, _ = make_data(c)
+        plan = heuristics.sm90_plan(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+        fused += heuristics.sm90_fuse_quant(m, k, plan)
+        y = fp8linear.fp8_linear(x, wq, ws)
+        want = fp8linear.block_fp8_gemm(a, a_s, wq, ws, out_dtype=x.dtype)
+        torch.cuda.synchronize()
+        assert torch.equal(y.view(torch.int16), want.view(torch.int16)), f"{plan} {c}"
+    assert fused >= 4, fused
+
+
+@pytest.mark.gpu
 def test_sm90_decode_kernel_up_to_256_tokens(monkeypatch):
     """FP8LINEAR_SM90_DECODE_MAX_M=256 runs the split-K decode kernel at 33..256 tokens with
     64- and 128-token tiles (one or two per weight-row tile), both weight-scale
