@@ -130,7 +130,7 @@ SM90_DECODE_ROWS64_MAX_BT = 64
 # The decode kernel quantizes the activations itself for up to 16 tokens and short enough
 # slices (see sm90_fuse_quant).
 SM90_FUSE_QUANT_MAX_M = SM90_DECODE_TILES[1]
-SM90_FUSE_QUANT_MAX_GROUPS = 64
+SM90_FUSE_QUANT_MAX_GROUPS = 128
 _FUSE_QUANT = "FP8LINEAR_SM90_FUSE_QUANT"
 # dynamic shared memory of a decode CTA by CTAs an SM (csrc/sm90/decode.cu: smem_limit)
 SM90_DECODE_SMEM = {1: 232448, 2: 115712}
@@ -193,7 +193,6 @@ def _switch(name: str) -> str | None:
 
 _DECODE_CLUSTER = "FP8LINEAR_SM90_DECODE_CLUSTER"
 SM90_DECODE_CLUSTER_MAX_SPLITS = 8  # the portable cluster size
-SM90_DECODE_CLUSTER_DEFAULT_SPLITS = 2
 
 
 def sm90_decode_cluster_reduce(config: int, splits: int, ctas_per_sm: int) -> bool:
@@ -210,15 +209,17 @@ def sm90_decode_cluster_reduce(config: int, splits: int, ctas_per_sm: int) -> bo
     Hence pairs only. Clusters must also fit in one GPC (16-18 SMs): with one CTA an SM
     (long K ranges, where the reduction is a small share) they could strand SMs at each GPC's
     edge, so those keep the workspace. (The 'spread' cluster scheduling policy changed
-    nothing.) FP8LINEAR_SM90_DECODE_CLUSTER=0 turns it off, =1 uses it wherever it can run
-    (2..8 splits, token tiles <= 32).
+    nothing.) Since the workspace handshake became one acq_rel atomic (session 11, no
+    __threadfence from every thread) it beats the cluster for pairs too: 4096^2 at M = 1-16,
+    results/2026-11-25_decode_plan_sweep_h100.log, workspace vs cluster +7.8% / +6.1%
+    (block_fp8_gemm / fp8_linear) back to back, +3.1% / +3.1% after an elementwise kernel.
+    So the default is off. FP8LINEAR_SM90_DECODE_CLUSTER=1 uses it wherever it can run (2..8
+    splits, token tiles <= 32); ctas_per_sm is the plan's, kept for the knob's callers.
     """
     v = _switch(_DECODE_CLUSTER)
     can = (2 <= splits <= SM90_DECODE_CLUSTER_MAX_SPLITS
            and SM90_DECODE_TILES[config] <= SM90_DECODE_TWO_PER_SM_MAX_BT)
-    if v == "0" or not can:
-        return False
-    return v == "1" or (ctas_per_sm == 2 and splits <= SM90_DECODE_CLUSTER_DEFAULT_SPLITS)
+    return v == "1" and can
 
 
 def sm90_fuse_quant(m: int, k: int, plan) -> bool:
@@ -237,6 +238,12 @@ def sm90_fuse_quant(m: int, k: int, plan) -> bool:
     CTAs, the early PDL trigger; results/2026-11-23_gemm_narrow_tiles_fuse_h100.log): fused
     wins both ways up to 64 groups (6144x4096 x 2: -2.0 / -1.5 us, 2112x7168 x 4: -2.8 /
     -1.4), from 96-112 only back to back (4096x7168 x 4: -1.5 / +1.0), from 128 neither.
+    Session 11 (one reciprocal a group, 16-byte loads; A/B twice,
+    results/2026-11-25_decode_quant_exact_ab_h100.log and ..._fuse_limit_ab_h100.log): at
+    65-128 groups fused now wins after an elementwise kernel at every point measured (-0.4 to
+    -1.1 us: 2112x7168 x 5-8, 6144x4096 x 3-4, 7168x2048 x 5-8, 4096^2 x 5-8, 28672x4096 x
+    3-4, 4096x7168 x 3-4) while back to back it loses up to 2.1 us (4096^2 x 8); where the
+    two disagree the model-like case decides, hence 128. From 140 groups it loses both ways.
     And the resident fp8 slice must leave most of the shared memory to the weight ring
     (<= a quarter of the CTA's).
     (Session 2's fused kernel quantized one K block ahead of the tensor cores, one warp per

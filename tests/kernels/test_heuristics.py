@@ -113,8 +113,8 @@ def test_decode_ctas_forced(monkeypatch):
 
 
 @pytest.mark.parametrize("m,n,k,cluster", [
-    (1, 4096, 4096, True),          # 2 splits, two CTAs an SM
-    (16, 4096, 4096, True),
+    (1, 4096, 4096, False),         # 2 splits, two CTAs an SM: the workspace is faster
+    (16, 4096, 4096, False),        # since its handshake is one atomic
     (1, 2112, 7168, False),         # 4 splits: the cluster launch costs more than it saves
     (1, 4096, 14336, False),        # 2 splits, one CTA an SM: clusters would strand SMs per GPC
     (16, 7168, 2048, False),        # one split (64-row tiles): nothing to reduce
@@ -139,12 +139,13 @@ def test_decode_cluster_reduce(m, n, k, cluster, monkeypatch):
 
 @pytest.mark.parametrize("m,k,plan,fused", [
     (1, 4096, ("decode", 0, 2, 2, 128), True),    # 16 K blocks a CTA, one token
-    (4, 4096, ("decode", 0, 2, 2, 64), True),     # 4 x 16 = 64 groups: the limit
-    (4, 4352, ("decode", 0, 2, 2, 64), False),    # 4 x 17 groups
+    (4, 4096, ("decode", 0, 2, 2, 64), True),     # 4 x 16 = 64 groups
+    (8, 4096, ("decode", 0, 2, 2, 64), True),     # 8 x 16 = 128 groups: the limit
+    (8, 4352, ("decode", 0, 2, 2, 64), False),    # 8 x 17 groups
     (8, 4096, ("decode", 0, 4, 2, 128), True),    # 8 tokens x 8 blocks
-    (8, 4096, ("decode", 0, 2, 2, 128), False),   # 8 x 16 groups
     (16, 2048, ("decode", 1, 4, 2, 128), True),   # 16 x 4 groups
-    (16, 2048, ("decode", 1, 2, 2, 64), False),   # 16 x 8 groups
+    (16, 2048, ("decode", 1, 2, 2, 64), True),    # 16 x 8 groups
+    (16, 2304, ("decode", 1, 2, 2, 64), False),   # 16 x 9 groups
     (1, 4096, ("decode", 0, 1, 1, 128), True),    # 32 blocks: a 32 KB slice, one CTA an SM
     (1, 8192, ("decode", 0, 1, 1, 128), False),   # 64 blocks: the slice would crowd the ring
     (1, 7680, ("decode", 0, 1, 2, 128), False),   # 60 blocks, two CTAs an SM

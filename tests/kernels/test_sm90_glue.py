@@ -102,15 +102,24 @@ def test_gemm_pdl_knobs(ext, monkeypatch, knob):
 
 
 def test_linear_fused_decode_passes_raw_activations(ext):
-    m, n, k = 1, 4096, 4096        # 64-row tiles, two splits, two CTAs an SM: fused, cluster
+    m, n, k = 1, 4096, 4096        # 64-row tiles, two splits, two CTAs an SM: fused
     x, _, _, w, ws = _operands(m, n, k)
     sm90.linear(x, w, ws, None, _out(m, n))
     (kind, d), = ext.calls
     assert kind == "decode" and d["x"] is x and d["x_scale"] is None
     assert d["quant_first"] is False   # the kernel quantizes x itself
-    assert (d["rows"], d["splits"], d["ctas"], d["cluster"]) == (64, 2, 2, True)
+    assert (d["rows"], d["splits"], d["ctas"], d["cluster"]) == (64, 2, 2, False)
     assert d["pdl"] is True and d["early"] is True
-    assert d["ws_floats"] == 0     # the cluster reduces in shared memory: no workspace
+    assert d["ws_floats"] == 2 * 64 * 8 * 64        # [splits][tiles][BT][rows] fp32
+
+
+def test_decode_cluster_needs_no_workspace(ext, monkeypatch):
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CLUSTER", "1")
+    m, n, k = 1, 4096, 4096        # two splits reduced in a cluster's shared memory
+    x, _, _, w, ws = _operands(m, n, k)
+    sm90.linear(x, w, ws, None, _out(m, n))
+    (_, d), = ext.calls
+    assert d["cluster"] is True and d["ws_floats"] == 0
 
 
 def test_decode_workspace_when_not_clustered(ext, monkeypatch):
