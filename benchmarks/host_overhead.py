@@ -67,7 +67,7 @@ def layers(m: int, n: int, k: int):
     if plan[0] == "decode" and fused:
         ext = build.load()
         _, config, splits, ctas, rows_ = plan
-        cluster = heuristics.sm90_decode_cluster_reduce(config, splits, ctas)
+        cluster = heuristics.sm90_decode_cluster_reduce(config, splits)
         bt = heuristics.SM90_DECODE_TILES[config]
         tiles = heuristics.cdiv(n, rows_) * heuristics.cdiv(m, bt)
         ws_floats = splits * tiles * bt * rows_ if splits > 1 and not cluster else 0

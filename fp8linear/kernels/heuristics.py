@@ -195,7 +195,7 @@ _DECODE_CLUSTER = "FP8LINEAR_SM90_DECODE_CLUSTER"
 SM90_DECODE_CLUSTER_MAX_SPLITS = 8  # the portable cluster size
 
 
-def sm90_decode_cluster_reduce(config: int, splits: int, ctas_per_sm: int) -> bool:
+def sm90_decode_cluster_reduce(config: int, splits: int) -> bool:
     """Reduce a decode tile's K splits inside one cluster, through distributed shared memory,
     instead of through an fp32 workspace in L2?
 
@@ -214,7 +214,7 @@ def sm90_decode_cluster_reduce(config: int, splits: int, ctas_per_sm: int) -> bo
     results/2026-11-25_decode_plan_sweep_h100.log, workspace vs cluster +7.8% / +6.1%
     (block_fp8_gemm / fp8_linear) back to back, +3.1% / +3.1% after an elementwise kernel.
     So the default is off. FP8LINEAR_SM90_DECODE_CLUSTER=1 uses it wherever it can run (2..8
-    splits, token tiles <= 32); ctas_per_sm is the plan's, kept for the knob's callers.
+    splits, token tiles <= 32).
     """
     v = _switch(_DECODE_CLUSTER)
     can = (2 <= splits <= SM90_DECODE_CLUSTER_MAX_SPLITS

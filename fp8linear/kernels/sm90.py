@@ -122,7 +122,7 @@ def _launch(m: int, n: int, k: int, x_dtype, index: int, linear: bool) -> _Launc
                  and heuristics.sm90_fuse_quant(m, k, plan))
         bt = heuristics.SM90_DECODE_TILES[config]
         tiles = cdiv(n, rows) * cdiv(m, bt)
-        cluster = heuristics.sm90_decode_cluster_reduce(config, splits, ctas)
+        cluster = heuristics.sm90_decode_cluster_reduce(config, splits)
         if splits > 1 and not cluster:
             ws_floats = splits * tiles * bt * rows
     got = _Launch(plan, fused, tiles, ws_floats, cluster, _pdl(), _early_trigger(),

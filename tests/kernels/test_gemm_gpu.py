@@ -518,7 +518,7 @@ def test_sm90_decode_ctas_per_sm(ctas, cluster, monkeypatch):
         m, n, k = case["m"], case["n"], case["k"]
         plan = heuristics.sm90_plan(m, n, k, 132)
         assert plan[0] == "decode" and plan[3] == ctas, plan
-        clustered += heuristics.sm90_decode_cluster_reduce(*plan[1:4])
+        clustered += heuristics.sm90_decode_cluster_reduce(*plan[1:3])
         _check_case(case, f"sm90 decode ctas={ctas} cluster={cluster} {_case_id(case)}")
     assert (clustered > 0) == (cluster == "1"), clustered
 

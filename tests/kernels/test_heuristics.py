@@ -126,15 +126,15 @@ def test_decode_cluster_reduce(m, n, k, cluster, monkeypatch):
     monkeypatch.setenv("FP8LINEAR_SM90_DECODE_MAX_M", "64")
     plan = h.sm90_plan(m, n, k, SMS)
     assert plan[0] == "decode"
-    assert h.sm90_decode_cluster_reduce(*plan[1:4]) is cluster
+    assert h.sm90_decode_cluster_reduce(*plan[1:3]) is cluster
     monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CLUSTER", "0")
-    assert h.sm90_decode_cluster_reduce(*plan[1:4]) is False
+    assert h.sm90_decode_cluster_reduce(*plan[1:3]) is False
     monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CLUSTER", "1")
     # forced on wherever a cluster can hold the splits (2..8) and the tile is <= 32 tokens
-    assert h.sm90_decode_cluster_reduce(*plan[1:4]) is (2 <= plan[2] <= 8 and plan[1] <= 2)
+    assert h.sm90_decode_cluster_reduce(*plan[1:3]) is (2 <= plan[2] <= 8 and plan[1] <= 2)
     monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CLUSTER", "yes")
     with pytest.raises(ValueError, match="FP8LINEAR_SM90_DECODE_CLUSTER='yes'"):
-        h.sm90_decode_cluster_reduce(*plan[1:4])
+        h.sm90_decode_cluster_reduce(*plan[1:3])
 
 
 @pytest.mark.parametrize("m,k,plan,fused", [
