@@ -222,6 +222,31 @@ def sm90_decode_cluster_reduce(config: int, splits: int) -> bool:
     return v == "1" and can
 
 
+_DECODE_EARLY_TRIGGER = "FP8LINEAR_SM90_DECODE_EARLY_TRIGGER"
+
+
+def sm90_decode_early_trigger(plan, tiles: int, num_sms: int) -> bool:
+    """Let the next kernel launch (PDL) as soon as the decode kernel starts, rather than after
+    its prologue? Only a PDL-launched next kernel (our next GEMM or quant kernel) is affected.
+
+    Early, the next GEMM's CTAs take the SM room ours leave and stream their weights during
+    our K loop and split reduction: back to back (H100, M = 1-16,
+    results/2026-11-23_decode_rows64_sweep_h100.log) 2112x7168 9.1 -> 7.2 us, 4096^2 8.35 ->
+    7.8, 32768x512 6.95 -> 6.33. But where our grid has no split reduction to hide and leaves
+    SMs free (one unsplit wave of fewer CTAs than SMs), the early CTAs only compete with our
+    weight stream: session 11, results/2026-11-25_decode_trigger_ab_h100.log, back to back,
+    after the prologue instead: 7168x2048 (112 CTAs) -3 to -4% block_fp8_gemm / -2 to -6%
+    fp8_linear, 6144x4096 (96) -1 to -3%; with splits or over a wave early stays ahead
+    (4096^2, 2112x7168: +7 to +27% fp8_linear; 24576x1536, 32768x512: +8 to +12%).
+    FP8LINEAR_SM90_DECODE_EARLY_TRIGGER=0 / 1 forces it.
+    """
+    v = _switch(_DECODE_EARLY_TRIGGER)
+    if v is not None:
+        return v == "1"
+    _, _, splits, _, _ = plan
+    return splits > 1 or tiles * splits > num_sms
+
+
 def sm90_fuse_quant(m: int, k: int, plan) -> bool:
     """Quantize bf16/fp16 activations inside the decode kernel of ``plan`` (sm90_plan's)?
 

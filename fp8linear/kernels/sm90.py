@@ -46,16 +46,6 @@ def _pdl() -> bool:
     return heuristics.env("FP8LINEAR_PDL") != "0"
 
 
-def _early_trigger() -> bool:
-    # The decode kernel lets the next kernel launch (PDL) as soon as it starts rather than
-    # after its prologue, so a following decode GEMM's CTAs take the SM room ours leave and
-    # stream their weights during our K loop. Measured back to back (H100, M = 1-16,
-    # results/2026-11-23_decode_rows64_sweep_h100.log): 2112x7168 9.1 -> 7.2 us, 4096^2
-    # 8.35 -> 7.8, 32768x512 6.95 -> 6.33; +0.3 on 7168x2048 (64 rows); nothing after a
-    # kernel without PDL. FP8LINEAR_SM90_DECODE_EARLY_TRIGGER=0 turns it off.
-    return heuristics.env("FP8LINEAR_SM90_DECODE_EARLY_TRIGGER") != "0"
-
-
 # FP8LINEAR_LOG_DISPATCH=1: print each distinct dispatch decision once (to stderr), e.g. to see
 # which kernel every layer of a served model runs. Read once; off costs one bool test a call.
 _LOG_DISPATCH = os.environ.get("FP8LINEAR_LOG_DISPATCH", "0") not in ("", "0")
@@ -114,8 +104,9 @@ def _launch(m: int, n: int, k: int, x_dtype, index: int, linear: bool) -> _Launc
     got = _launches.get(key)
     if got is not None:
         return got
-    plan = heuristics.sm90_plan(m, n, k, _num_sms(index))
-    fused, tiles, ws_floats, cluster = False, 0, 0, False
+    num_sms = _num_sms(index)
+    plan = heuristics.sm90_plan(m, n, k, num_sms)
+    fused, tiles, ws_floats, cluster, early = False, 0, 0, False, False
     if plan[0] == "decode":
         _, config, splits, ctas, rows = plan
         fused = (linear and x_dtype != torch.float32
@@ -125,7 +116,8 @@ def _launch(m: int, n: int, k: int, x_dtype, index: int, linear: bool) -> _Launc
         cluster = heuristics.sm90_decode_cluster_reduce(config, splits)
         if splits > 1 and not cluster:
             ws_floats = splits * tiles * bt * rows
-    got = _Launch(plan, fused, tiles, ws_floats, cluster, _pdl(), _early_trigger(),
+        early = heuristics.sm90_decode_early_trigger(plan, tiles, num_sms)
+    got = _Launch(plan, fused, tiles, ws_floats, cluster, _pdl(), early,
                   _gemm_pdl())
     if heuristics.CACHE_ENV:  # (tests switch knobs between calls: no cache then)
         if len(_launches) >= _MAX_LAUNCHES:

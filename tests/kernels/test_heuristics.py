@@ -137,6 +137,25 @@ def test_decode_cluster_reduce(m, n, k, cluster, monkeypatch):
         h.sm90_decode_cluster_reduce(*plan[1:3])
 
 
+@pytest.mark.parametrize("m,n,k,early", [
+    (1, 7168, 2048, False),         # 112 unsplit CTAs: the next GEMM's would only compete
+    (16, 6144, 4096, False),        # 96 unsplit CTAs
+    (1, 4096, 4096, True),          # 2 splits: the next GEMM streams during our reduction
+    (1, 2112, 7168, True),          # 4 splits
+    (1, 24576, 1536, True),         # 192 CTAs: over a wave
+])
+def test_decode_early_trigger(m, n, k, early, monkeypatch):
+    plan = h.sm90_plan(m, n, k, SMS)
+    tiles = h.cdiv(n, plan[4]) * h.cdiv(m, h.SM90_DECODE_TILES[plan[1]])
+    assert h.sm90_decode_early_trigger(plan, tiles, SMS) is early
+    for v in ("0", "1"):
+        monkeypatch.setenv("FP8LINEAR_SM90_DECODE_EARLY_TRIGGER", v)
+        assert h.sm90_decode_early_trigger(plan, tiles, SMS) is (v == "1")
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_EARLY_TRIGGER", "yes")
+    with pytest.raises(ValueError, match="FP8LINEAR_SM90_DECODE_EARLY_TRIGGER='yes'"):
+        h.sm90_decode_early_trigger(plan, tiles, SMS)
+
+
 @pytest.mark.parametrize("m,k,plan,fused", [
     (1, 4096, ("decode", 0, 2, 2, 128), True),    # 16 K blocks a CTA, one token
     (4, 4096, ("decode", 0, 2, 2, 64), True),     # 4 x 16 = 64 groups
