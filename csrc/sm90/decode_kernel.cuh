@@ -188,8 +188,8 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
     // A group's 128 channels are a half-warp's 16-byte loads (8 channels a lane): one load
     // instruction of a warp serves two groups, a batch of kLoads loads 16 x kLoads groups of
     // the CTA, all in flight at once. Issued while the weight ring streams, each batch waits
-    // behind the queued weight tiles (2-4 us on an H100: session 11's probe), so few batches
-    // keep the prologue short. (16 loads a lane at one CTA an SM: ~1 us slower at M = 1-2.)
+    // behind the queued weight tiles (2-4 us; a probe whose log was lost), so few batches keep
+    // the prologue short. (16 loads a lane at one CTA an SM: ~1 us slower at M = 1-2, ditto.)
     constexpr int kLoads = 8;
     const int half = lane / 16, hl = lane % 16;
     for (int gw = warp; gw < groups; gw += 16 * kLoads) {  // warp-uniform (shuffles)
