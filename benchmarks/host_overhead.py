@@ -66,14 +66,12 @@ def layers(m: int, n: int, k: int):
     ]
     if plan[0] == "decode" and fused:
         ext = build.load()
-        _, config, splits, ctas, rows_ = plan
-        cluster = heuristics.sm90_decode_cluster_reduce(config, splits)
-        bt = heuristics.SM90_DECODE_TILES[config]
-        tiles = heuristics.cdiv(n, rows_) * heuristics.cdiv(m, bt)
-        ws_floats = splits * tiles * bt * rows_ if splits > 1 and not cluster else 0
+        # the dispatcher's own launch decision (workspace, cluster, PDL trigger), once
+        lp = sm90._launch(m, n, k, x.dtype, 0, True)
+        _, config, splits, ctas, rows_ = lp.plan
         rows.append(("extension decode() alone", lambda: ext.decode(
-            x, None, w, ws, False, None, out, ws_floats, tiles, config, rows_, splits, ctas,
-            True, True, cluster, False)))
+            x, None, w, ws, False, None, out, lp.ws_floats, lp.tiles, config, rows_, splits,
+            ctas, lp.pdl, lp.early, lp.cluster, False)))
     rows += [
         ("ref: bf16 nn.Linear", lambda: lin(x)),
         ("ref: torch.empty", lambda: torch.empty(m, n, device=dev, dtype=torch.bfloat16)),
