@@ -53,11 +53,12 @@ struct DecodeArgs {
   bool bias_f32;
   void* out;              // [M, N]
   int out_dtype;
-  float* workspace;       // fp32 [splits * tiles * BT * rows] when splits > 1, not cluster
+  float* workspace;       // fp32 [splits * tiles * BT * (64 or 128)] when splits > 1, not cluster
   int* counters;          // int32 [tiles], zero; the kernel leaves them zero again
   int M, N, K;
   int config;             // token tile BT = 8 << config (8..128)
-  int rows;               // weight rows per CTA: 128, or 64 (token tiles <= 64)
+  int rows;               // weight rows a CTA owns: 64 (token tiles <= 64), 128, or 72..120 (a
+                          // multiple of 8) in a 128-row CTA, one an SM
   int splits;             // K-splits (1 = no reduction)
   int ctas_per_sm;        // 1, or 2 (token tiles <= 32): half the shared memory and registers,
                           // so the next kernel's CTAs fit beside ours under PDL

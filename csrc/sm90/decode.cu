@@ -13,10 +13,11 @@ constexpr int smem_limit(int ctas_per_sm) { return ctas_per_sm == 1 ? 232448 : 1
 // 128 KB of weights in flight per CTA (8 stages of 128 rows, 16 of 64) saturates HBM
 constexpr int kMaxWeightBytesInFlight = 8 * kDecodeMaxRows * kBlockK;
 
-int pick_stages(int rows, int bt, int kbs, bool per_row, bool fused, int limit) {
-  const DecodeLayout none = decode_layout(rows, bt, kbs, 0, per_row, fused);
+int pick_stages(int rows, int bt, int kbs, bool per_row, bool fused, bool row_step, int limit) {
+  const DecodeLayout none = decode_layout(rows, bt, kbs, 0, per_row, fused, row_step);
   // bytes one more stage costs: its ring slot and its two barriers
-  const int per_stage = decode_layout(rows, bt, kbs, 1, per_row, fused).total - none.total + 16;
+  const int per_stage =
+      decode_layout(rows, bt, kbs, 1, per_row, fused, row_step).total - none.total + 16;
   const int max_stages = kMaxWeightBytesInFlight / (rows * kBlockK);
   int stages = (limit - none.total - 1024) / per_stage;
   stages = stages < max_stages ? stages : max_stages;
@@ -29,14 +30,14 @@ int pick_stages(int rows, int bt, int kbs, bool per_row, bool fused, int limit) 
   return stages;
 }
 
-template <int BT, int kRows, bool kPerRow, typename OutT, int kCtasPerSM>
+template <int BT, int kRows, bool kPerRow, typename OutT, int kCtasPerSM, bool kRowStep>
 std::string launch(const DecodeArgs& d, cudaStream_t stream) {
   constexpr int kSmemLimit = smem_limit(kCtasPerSM);
   const int num_kb = (d.K + kBlockK - 1) / kBlockK;
   const int kbs = (num_kb + d.splits - 1) / d.splits;
   const bool fused = d.x_dtype != kInFP8;
-  const int stages = pick_stages(kRows, BT, kbs, kPerRow, fused, kSmemLimit);
-  const DecodeLayout layout = decode_layout(kRows, BT, kbs, stages, kPerRow, fused);
+  const int stages = pick_stages(kRows, BT, kbs, kPerRow, fused, kRowStep, kSmemLimit);
+  const DecodeLayout layout = decode_layout(kRows, BT, kbs, stages, kPerRow, fused, kRowStep);
   if (stages < 1 || (kRows == 64 && kbs > 1 && stages < 2) || layout.total + 1024 > kSmemLimit)
     return "decode config does not fit in shared memory (token tile " + std::to_string(BT) +
            ", " + std::to_string(kbs) + " K blocks per split): use more splits";
@@ -49,9 +50,11 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
   // 64 rows: the warpgroups' exchange, BT / 2 floats a thread, passes through the ring
   if (kRows == 64 && BT * 128 * 2 > stages * layout.stage)
     return "the warpgroups' partials do not fit in the ring (64 rows)";
+  // kRowStep: the CTA owns d.rows < 128 rows (a multiple of 8), loaded as a box of that many
+  const int row_step = kRowStep ? d.rows : kRows;
   CUtensorMap tw;
   std::string e = make_tensor_map_2d(&tw, d.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, d.N, d.K, d.K,
-                                     kRows, kBlockK, CU_TENSOR_MAP_SWIZZLE_128B);
+                                     row_step, kBlockK, CU_TENSOR_MAP_SWIZZLE_128B);
   if (!e.empty()) return e;
   // fp8 activations: tiles swizzled for wgmma (fused, the kernel reads the 16-bit rows itself)
   CUtensorMap tx{};
@@ -59,15 +62,16 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
       !(e = make_tensor_map_2d(&tx, d.x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, d.M, d.K, d.K, BT,
                                kBlockK, CU_TENSOR_MAP_SWIZZLE_128B)).empty())
     return e;
-  constexpr auto kernel = fp8_decode_kernel<BT, kRows, kPerRow, OutT, kCtasPerSM>;
+  constexpr auto kernel = fp8_decode_kernel<BT, kRows, kPerRow, OutT, kCtasPerSM, kRowStep>;
   cudaError_t err = ensure_smem_limit<kernel>(smem);
   if (err != cudaSuccess) return cudaGetErrorString(err);
   DecodeParams p{d.x,         d.x_dtype,  d.x_scale, d.xs_stride_m, d.xs_stride_kb,
                  d.w_scale,   d.bias,     d.bias_f32, d.out,     d.workspace,   d.counters,
                  d.M,         d.N,        d.K,       num_kb,        d.splits,
-                 stages,      d.cluster_reduce ? 1 : 0, d.pdl && d.early_trigger ? 1 : 0};
+                 stages,      d.cluster_reduce ? 1 : 0, d.pdl && d.early_trigger ? 1 : 0,
+                 row_step};
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((d.N + kRows - 1) / kRows, (d.M + BT - 1) / BT, d.splits);
+  cfg.gridDim = dim3((d.N + row_step - 1) / row_step, (d.M + BT - 1) / BT, d.splits);
   cfg.blockDim = dim3(384);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
@@ -86,13 +90,13 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
   return err == cudaSuccess ? std::string() : std::string(cudaGetErrorString(err));
 }
 
-template <int BT, int R, int C>
+template <int BT, int R, int C, bool S = false>
 std::string dispatch_types(const DecodeArgs& d, cudaStream_t stream) {
   if (d.out_dtype == kOutBF16)
-    return d.w_scale_per_row ? launch<BT, R, true, __nv_bfloat16, C>(d, stream)
-                             : launch<BT, R, false, __nv_bfloat16, C>(d, stream);
-  return d.w_scale_per_row ? launch<BT, R, true, __half, C>(d, stream)
-                           : launch<BT, R, false, __half, C>(d, stream);
+    return d.w_scale_per_row ? launch<BT, R, true, __nv_bfloat16, C, S>(d, stream)
+                             : launch<BT, R, false, __nv_bfloat16, C, S>(d, stream);
+  return d.w_scale_per_row ? launch<BT, R, true, __half, C, S>(d, stream)
+                           : launch<BT, R, false, __half, C, S>(d, stream);
 }
 
 template <int BT, int R>
@@ -107,10 +111,14 @@ std::string dispatch_ctas(const DecodeArgs& d, cudaStream_t stream) {
 template <int BT>
 std::string dispatch_rows(const DecodeArgs& d, cudaStream_t stream) {
   if (d.rows == 128) return dispatch_ctas<BT, 128>(d, stream);
+  if (d.rows % 8 == 0 && d.rows > 64 && d.rows < 128) {  // 128-row CTAs owning fewer rows
+    if (d.ctas_per_sm != 1) return "decode CTAs owning 72..120 rows run one an SM";
+    return dispatch_types<BT, 128, 1, true>(d, stream);
+  }
   if constexpr (BT <= 64) {
     if (d.rows == 64) return dispatch_ctas<BT, 64>(d, stream);
   }
-  return "rows must be 128, or 64 with token tiles <= 64";
+  return "rows must be 64 (token tiles <= 64), 128, or a multiple of 8 in 72..120";
 }
 
 }  // namespace

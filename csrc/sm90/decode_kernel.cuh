@@ -42,13 +42,15 @@ struct DecodeLayout {
 // swizzled for wgmma; fused, the quantized activations stay resident after the ring, one
 // [BT x 128] fp8 tile per K block of the CTA's range.
 __host__ __device__ inline DecodeLayout decode_layout(int rows, int bt, int kbs, int stages,
-                                                      bool per_row, bool fused) {
+                                                      bool per_row, bool fused,
+                                                      bool row_step = false) {
   DecodeLayout l;
   l.stage = rows * kBlockK + (fused ? 0 : bt * kBlockK);  // multiples of 1024 (bt >= 8)
   l.x = stages * l.stage;
   l.xs = l.x + (fused ? kbs * bt * kBlockK : 0);
   l.ws = l.xs + kbs * bt * 4;            // per-token scales [kbs][BT]
-  l.bar = l.ws + kbs * (per_row ? rows : 1) * 4;
+  // weight scales [kbs][rows] per row, or [kbs][1 or 2] of the 128-row block(s) the rows lie in
+  l.bar = l.ws + kbs * (per_row ? rows : row_step ? 2 : 1) * 4;
   l.bar = (l.bar + 7) & ~7;
   l.flag = l.bar + 2 * stages * 8;       // full[stages], empty[stages]
   l.total = l.flag + 16;
@@ -69,9 +71,14 @@ struct DecodeParams {
   int M, N, K, num_kb, splits, stages;
   int cluster_reduce;    // the splits of a tile are one cluster (along z): reduce in DSMEM
   int early_trigger;     // PDL: let the next kernel launch at our start, not after the prologue
+  int row_step;          // kRowStep: the weight rows a CTA owns, 72..120 (a multiple of 8), so
+                         // that N / row_step CTAs fill the SMs (heuristics.py: _decode_rows)
 };
 
-template <int BT, int kRows, bool kPerRow, typename OutT, int kCtasPerSM>
+// kRowStep: a 128-row CTA owning only p.row_step rows (a box of that many lands in its stage;
+// the other rows' results are never stored), its own instantiation so that every other plan
+// runs exactly the code it ran before (these kernels move by 1-2% on small changes).
+template <int BT, int kRows, bool kPerRow, typename OutT, int kCtasPerSM, bool kRowStep>
 __global__ void __launch_bounds__(384, kCtasPerSM)
     fp8_decode_kernel(const __grid_constant__ CUtensorMap tmap_w,
                       const __grid_constant__ CUtensorMap tmap_x,  // fp8 activations (kInFP8)
@@ -90,8 +97,8 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
   constexpr bool kSplitWG = kRows == 64;
   static_assert(kRows == 128 || (kRows == 64 && BT <= 64), "64-row CTAs: token tiles <= 64");
   constexpr int kWTile = kRows * kBlockK;  // bytes of one weight stage
-  const DecodeLayout L =
-      decode_layout(kRows, BT, (p.num_kb + p.splits - 1) / p.splits, p.stages, kPerRow, fused);
+  const DecodeLayout L = decode_layout(kRows, BT, (p.num_kb + p.splits - 1) / p.splits,
+                                       p.stages, kPerRow, fused, kRowStep);
   uint8_t* sW = smem;            // stage s at sW + s * L.stage: weights, then (fp8) activations
   uint8_t* sX = smem + L.x;      // fused: resident quantized tiles, K block i at i * BT * 128
   float* sXS = reinterpret_cast<float*>(smem + L.xs);
@@ -100,7 +107,9 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
   uint64_t* empty = full + p.stages;
   int* flag = reinterpret_cast<int*>(smem + L.flag);
 
-  const int n0 = blockIdx.x * kRows;
+  static_assert(!kRowStep || (kRows == 128 && kCtasPerSM == 1), "row steps: 128-row CTAs");
+  const int row_step = kRowStep ? p.row_step : kRows;
+  const int n0 = blockIdx.x * row_step;
   const int m0 = blockIdx.y * BT;
   const int wg = threadIdx.x / 128;
   const int lane = threadIdx.x % 32;
@@ -128,7 +137,9 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
       const uint64_t once = l2_policy_evict_first();
       const uint64_t keep = l2_policy_evict_last();  // activations: read by every row CTA
       const int first = kbs < p.stages ? kbs : p.stages;
-      const uint32_t bytes = L.stage;
+      // (a CTA of fewer rows than kRows loads a row_step-row box; the stage's other rows are
+      // stale, and their results are never stored)
+      const uint32_t bytes = kRowStep ? row_step * kBlockK + (fused ? 0 : BT * kBlockK) : L.stage;
       for (int i = 0; i < kbs; ++i) {
         const int s = i % p.stages;
         mbar_wait(&empty[s], ((i / p.stages) & 1) ^ 1);
@@ -167,8 +178,17 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
       sWS[e] = n0 + r < p.N ? __ldg(p.w_scale + size_t(n0 + r) * p.num_kb + kb0 + i) : 0.f;
     }
   } else {
-    for (int i = tid; i < kbs; i += 256)
-      sWS[i] = __ldg(p.w_scale + size_t(n0 / kDecodeMaxRows) * p.num_kb + kb0 + i);
+    if constexpr (kRowStep) {
+      // the scales of the two 128-row blocks the CTA's rows may straddle: [kbs][2]
+      const int num_nblk = (p.N + kDecodeMaxRows - 1) / kDecodeMaxRows;
+      for (int e = tid; e < 2 * kbs; e += 256) {
+        const int blk = n0 / kDecodeMaxRows + e % 2;
+        sWS[e] = blk < num_nblk ? __ldg(p.w_scale + size_t(blk) * p.num_kb + kb0 + e / 2) : 0.f;
+      }
+    } else {
+      for (int i = tid; i < kbs; i += 256)
+        sWS[i] = __ldg(p.w_scale + size_t(n0 / kDecodeMaxRows) * p.num_kb + kb0 + i);
+    }
   }
   pdl_wait();                   // activations come from the previous kernel
   if (fused) {
@@ -257,6 +277,9 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
   const int r0 = (warp % 4) * 16 + lane / 4;  // accumulator rows r0, r0 + 8 (weight rows)
   const int cq = 2 * (lane % 4);              // accumulator cols 8j + cq, +1 (tokens)
   const int wrow = kSplitWG ? 0 : wg * 64;    // this warpgroup's first row of the CTA's
+  // kRowStep: the block-scale slot (the CTA's first or second 128-row block) of rows r0, r0 + 8
+  const int blk0 = kRowStep ? (n0 + wrow + r0) / kDecodeMaxRows - n0 / kDecodeMaxRows : 0;
+  const int blk1 = kRowStep ? (n0 + wrow + r0 + 8) / kDecodeMaxRows - n0 / kDecodeMaxRows : 0;
   for (int i = kSplitWG ? wg : 0; i < kbs; i += kSplitWG ? 2 : 1) {
     const int s = i % p.stages;
     mbar_wait(&full[s], (i / p.stages) & 1);
@@ -278,6 +301,9 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
     if constexpr (kPerRow) {
       w0 = sWS[i * kRows + wrow + r0];
       w1 = sWS[i * kRows + wrow + r0 + 8];
+    } else if constexpr (kRowStep) {
+      w0 = sWS[2 * i + blk0];
+      w1 = sWS[2 * i + blk1];
     } else {
       w0 = w1 = sWS[i];
     }
@@ -322,9 +348,10 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
     for (int j = 0; j < kRegs / 4; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int n = n0 + wrow + r0 + (e >= 2 ? 8 : 0);
+        const int r = wrow + r0 + (e >= 2 ? 8 : 0);
+        const int n = n0 + r;
         const int m = m0 + 8 * j + cq + (e & 1);
-        if (m < p.M && n < p.N) {
+        if (m < p.M && n < p.N && (!kRowStep || r < row_step)) {
           const float b = bias != nullptr ? bias_at(n) : 0.f;
           out[size_t(m) * p.N + n] = OutTraits<OutT>::from(acc[4 * j + e] + b);
         }
@@ -337,7 +364,8 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
     const int e = e4 * 4;
     const int c = e / kRows, r = e % kRows;
     const int m = m0 + c, n = n0 + r;
-    if (m >= p.M || n >= p.N) return;
+    // (row_step % 8 == 0: 4 rows all in or all out)
+    if (m >= p.M || n >= p.N || (kRowStep && r >= row_step)) return;
     float o[4] = {sum.x, sum.y, sum.z, sum.w};
     if (bias != nullptr) {
 #pragma unroll

@@ -1,13 +1,23 @@
 // Per-token, per-128-channel activation quantization: the first launch of fp8_linear on the
-// large-M path and on the decode path where the decode kernel does not quantize itself. One warp per (token, 128 channels):
-// each lane holds 4 values, a shuffle reduction gives the group's amax.
+// large-M path and on the decode path where the decode kernel does not quantize itself.
+// A group of 128 channels is 128 / kV lanes of kV values each; each group of lanes takes
+// kUnroll groups, all loads issued before any reduction. Two shapes (launch_typed):
+//  - narrow: a warp a group, 4 values (8 bytes of bf16/fp16) a lane, one group at a time;
+//  - wide: 16-byte loads (a half-warp a bf16/fp16 group), two groups a lane: 32 bytes in
+//    flight a lane, a quarter of the CTAs. Alone it is 15-25% faster from 256 tokens x 8K
+//    channels up (H100: 256x28672 8.2 vs 11.1 us, 4096x4096 21.5 vs 27.1). In fp8_linear
+//    (results/2026-11-25_quant_wide_ab_h100.log) at 24-256 tokens it is no faster after an
+//    elementwise kernel and ~1 us slower back to back on small weights; at 512 mixed (-7% to
+//    +2% after an elementwise kernel); from 1024 tokens faster both ways (after an elementwise
+//    kernel 0-10%: 4096x14336 x 4096 429 -> 402 us). So it serves prefill from 1024 tokens.
 // Numerics equal fp8linear.quant.quantize_activation: scale = max(amax, 1e-10) / 448, then
-// x / scale (IEEE division) rounded to nearest e4m3, saturating.
+// x / scale rounded to nearest e4m3, saturating (quant.cuh, shared with the decode kernel).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/launch.h"
 #include "common/ptx.cuh"
@@ -17,9 +27,36 @@
 namespace fp8l {
 namespace {
 
-template <typename T>
-__global__ void quant_kernel(const T* __restrict__ x, uint8_t* __restrict__ q,
-                             float* __restrict__ scale_t, int scale_ld, int M, int K, int num_kb) {
+constexpr int kQuantThreads = 256;
+constexpr int kWideMinTokens = 1024;  // the wide shape from this many tokens (see above)
+
+// kV values of type T a lane: 8 or 16 bytes
+template <typename T, int kV>
+using LaneBits = std::conditional_t<kV * sizeof(T) == 16, uint4, uint2>;
+
+template <typename T, int kV>
+__device__ __forceinline__ void to_floats(const LaneBits<T, kV>& raw, float* v) {
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(&raw);
+#pragma unroll
+  for (int i = 0; i < int(sizeof(raw) / 4); ++i) {
+    if constexpr (std::is_same_v<T, float>) {
+      v[i] = __uint_as_float(w[i]);
+    } else if constexpr (std::is_same_v<T, __half>) {
+      const __half2 h = *reinterpret_cast<const __half2*>(&w[i]);
+      v[2 * i] = __low2float(h), v[2 * i + 1] = __high2float(h);
+    } else {
+      const __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&w[i]);
+      v[2 * i] = __low2float(h), v[2 * i + 1] = __high2float(h);
+    }
+  }
+}
+
+template <typename T, int kV, int kUnroll>
+__global__ void __launch_bounds__(kQuantThreads)
+    quant_kernel(const T* __restrict__ x, uint8_t* __restrict__ q, float* __restrict__ scale_t,
+                 int scale_ld, int M, int K, int num_kb) {
+  constexpr int kL = 128 / kV;  // lanes a group
+  using Bits = LaneBits<T, kV>;
   // The GEMM launched after us (programmatic dependent launch) may start now: its weight
   // stream does not depend on us, and it waits (griddepcontrol.wait) for our complete,
   // flushed output before it reads the activations. This hides the GEMM's launch and ring
@@ -28,42 +65,74 @@ __global__ void quant_kernel(const T* __restrict__ x, uint8_t* __restrict__ q,
   // Launched under PDL ourselves (after a decode GEMM that lets its dependents start early),
   // x is the previous kernel's output: wait for it (a no-op without PDL).
   pdl_wait();
-  const long gid = (long(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  if (gid >= long(M) * num_kb) return;
-  // token index fastest: neighbouring warps write neighbouring scale_t entries
-  const int m = int(gid % M), kb = int(gid / M);
-  const int k0 = kb * 128 + lane * 4;
-  const T* src = x + size_t(m) * K + k0;
-  float v[4];
-  load4(src, k0, K, v);
-  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-  amax = warp_max(amax);
-  const GroupScale gs = group_scale(amax);
-  uint32_t packed;
-  quantize<4>(v, gs, &packed);
-  const float scale = gs.scale;
-  uint8_t* dst = q + size_t(m) * K + k0;
-  if (k0 + 4 <= K) {
-    *reinterpret_cast<uint32_t*>(dst) = packed;  // K % 16 == 0 keeps this 4-byte aligned
-  } else {
-    for (int i = 0; i < 4 && k0 + i < K; ++i) dst[i] = uint8_t(packed >> (8 * i));
+  // (int indices: the host checks that M x num_kb fits; one division per group, not four)
+  const int groups = M * num_kb;
+  const int lane_group = int((blockIdx.x * kQuantThreads + threadIdx.x) / kL);
+  const int stride = int(gridDim.x * kQuantThreads / kL);
+  const int sub = threadIdx.x % kL;
+  if constexpr (kUnroll == 1 && kL == 32) {
+    if (lane_group >= groups) return;  // a whole warp (its shuffles need no absent lanes)
   }
-  if (lane == 0) scale_t[size_t(kb) * scale_ld + m] = scale;
+  Bits raw[kUnroll];
+  int m[kUnroll], kb[kUnroll];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    // token index fastest: neighbouring groups of lanes write neighbouring scale_t entries
+    const int g = lane_group + u * stride;
+    m[u] = g < groups ? g % M : 0;
+    kb[u] = g < groups ? g / M : num_kb;  // (num_kb: past K, nothing loaded or stored)
+    const int k0 = kb[u] * 128 + sub * kV;
+    // zeros past K (K % 16 == 0 and k0 % kV == 0: a lane's values are all in or all out)
+    raw[u] = Bits{};
+    if (k0 < K) raw[u] = *reinterpret_cast<const Bits*>(x + size_t(m[u]) * K + k0);
+  }
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    float v[kV];
+    to_floats<T, kV>(raw[u], v);
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < kV; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+    for (int o = kL / 2; o > 0; o >>= 1)
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (kb[u] >= num_kb) continue;  // (after the shuffles: every lane takes part)
+    const GroupScale gs = group_scale(amax);
+    uint32_t packed[kV / 4];
+    quantize<kV>(v, gs, packed);
+    const int k0 = kb[u] * 128 + sub * kV;
+    uint8_t* dst = q + size_t(m[u]) * K + k0;
+    if (k0 < K) {
+      if constexpr (kV == 8) *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
+      else *reinterpret_cast<uint32_t*>(dst) = packed[0];
+    }
+    if (sub == 0) scale_t[size_t(kb[u]) * scale_ld + m[u]] = gs.scale;
+  }
 }
 
-template <typename T>
-cudaError_t launch_typed(const void* x, uint8_t* q, float* scale_t, int scale_ld, int M, int K,
-                         int num_kb, unsigned blocks, int threads, bool pdl, cudaStream_t stream) {
+template <typename T, int kV, int kUnroll>
+cudaError_t launch_shape(const void* x, uint8_t* q, float* scale_t, int scale_ld, int M, int K,
+                         int num_kb, bool pdl, cudaStream_t stream) {
+  const long groups = long(M) * num_kb;  // (< 2^31: launch_quant)
+  const long per_block = long(kQuantThreads) / (128 / kV) * kUnroll;
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(blocks);
-  cfg.blockDim = dim3(threads);
+  cfg.gridDim = dim3(unsigned((groups + per_block - 1) / per_block));
+  cfg.blockDim = dim3(kQuantThreads);
   cfg.stream = stream;
   cudaLaunchAttribute attr = pdl_attribute();
   cfg.attrs = &attr;
   cfg.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, quant_kernel<T>, static_cast<const T*>(x), q, scale_t,
-                            scale_ld, M, K, num_kb);
+  return cudaLaunchKernelEx(&cfg, quant_kernel<T, kV, kUnroll>, static_cast<const T*>(x), q,
+                            scale_t, scale_ld, M, K, num_kb);
+}
+
+template <typename T>
+cudaError_t launch_typed(const void* x, uint8_t* q, float* scale_t, int scale_ld, int M, int K,
+                         int num_kb, bool pdl, cudaStream_t stream) {
+  constexpr int kWide = 16 / sizeof(T);  // values in 16 bytes
+  if (M >= kWideMinTokens)
+    return launch_shape<T, kWide, 2>(x, q, scale_t, scale_ld, M, K, num_kb, pdl, stream);
+  return launch_shape<T, 4, 1>(x, q, scale_t, scale_ld, M, K, num_kb, pdl, stream);
 }
 
 }  // namespace
@@ -73,23 +142,19 @@ std::string launch_quant(const void* x, int in_dtype, void* q, float* scale_t, i
   if (M <= 0 || K <= 0) return "";
   if (K % 16 != 0) return "K must be a multiple of 16";
   const int num_kb = (K + 127) / 128;
-  const long warps = long(M) * num_kb;
-  const int threads = 256;
-  const unsigned blocks = unsigned((warps * 32 + threads - 1) / threads);
+  // (the kernel's group and lane indices are ints; 2^31 groups are 512 GB of activations)
+  if (long(M) * num_kb * 32 >= (1L << 31)) return "too many tokens x channels for one launch";
   auto* qq = static_cast<uint8_t*>(q);
   cudaError_t err;
   switch (in_dtype) {
     case kInBF16:
-      err = launch_typed<__nv_bfloat16>(x, qq, scale_t, scale_ld, M, K, num_kb, blocks, threads,
-                                        pdl, stream);
+      err = launch_typed<__nv_bfloat16>(x, qq, scale_t, scale_ld, M, K, num_kb, pdl, stream);
       break;
     case kInFP16:
-      err = launch_typed<__half>(x, qq, scale_t, scale_ld, M, K, num_kb, blocks, threads, pdl,
-                                 stream);
+      err = launch_typed<__half>(x, qq, scale_t, scale_ld, M, K, num_kb, pdl, stream);
       break;
     case kInFP32:
-      err = launch_typed<float>(x, qq, scale_t, scale_ld, M, K, num_kb, blocks, threads, pdl,
-                                stream);
+      err = launch_typed<float>(x, qq, scale_t, scale_ld, M, K, num_kb, pdl, stream);
       break;
     default:
       return "unsupported input dtype";

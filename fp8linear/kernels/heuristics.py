@@ -125,7 +125,9 @@ def sm90_shape_ok(n: int, k: int) -> bool:
 # --------------------------------------------------------------------------- sm90 plans
 SM90_DECODE_TILES = (8, 16, 32, 64, 128)  # token tile of decode config i = 8 << i
 SM90_DECODE_MAX_M = 32
-SM90_DECODE_ROWS = (128, 64)               # weight rows per decode CTA (64: token tiles <= 64)
+# weight rows a decode CTA owns: 64 (token tiles <= 64), 128, or 72..120 (a multiple of 8) in a
+# 128-row CTA, one an SM
+SM90_DECODE_ROWS = tuple(range(64, 129, 8))
 SM90_DECODE_ROWS64_MAX_BT = 64
 # The decode kernel quantizes the activations itself for up to 16 tokens and short enough
 # slices (see sm90_fuse_quant).
@@ -167,7 +169,8 @@ def _decode_ctas_per_sm(bt: int, kbs: int, rows: int, forced: str | None) -> int
     return 1
 
 
-def _decode_rows(tiles64: int, num_sms: int) -> int:
+def _decode_rows(n: int, m_tiles: int, num_sms: int) -> int:
+    tiles64 = cdiv(n, 64) * m_tiles
     # 64 weight rows a CTA (the two math warpgroups on alternate K blocks) give twice the CTAs
     # of 128, so the same SMs stream with half the K splits, or none: no split reduction at
     # the end of the kernel (its write / fence / count / read chain is ~2 us). Worth it while
@@ -178,9 +181,19 @@ def _decode_rows(tiles64: int, num_sms: int) -> int:
     # back: 7168x2048 7.74 -> 5.13 us, 4096x7168 14.05 -> 11.65, 6144x4096 12.17 -> 10.10,
     # 4096^2 9.01 -> 8.35, 8192^2 23.6 -> 22.6; with an elementwise kernel between GEMMs
     # 0.4-1.3 us less on the same shapes.
+    # (64-row CTAs owning fewer rows, so that one wave fills the SMs where 64-row ones leave
+    # a quarter idle, e.g. 6144 rows as 128 CTAs of 48: 1-8% faster back to back, no faster
+    # after an elementwise kernel, up to 16% slower for fused fp8_linear back to back;
+    # results/2026-11-25_decode_row_step_h100.log. Not kept.)
     if tiles64 <= num_sms or tiles64 >= 6 * num_sms:
         return 64
-    return 128
+    # Between one wave of 64-row CTAs and two of 128-row ones (N = 8.5K-17K rows at M <= 32),
+    # 128-row CTAs that each own only as many rows (a multiple of 8) as make one full wave:
+    # 10240 rows as 128 CTAs of 80 rather than 80 CTAs of 128 (52 SMs idle) or 160 of 64 (a
+    # second wave). The CTA's TMA box has that many rows; the rest of its 128-row stage is
+    # never stored. DeepGEMM's tile here is 64x80 (non-swapped) for the same reason.
+    fill = cdiv(cdiv(n, max(1, num_sms // m_tiles)), 8) * 8
+    return fill if fill < 128 else 128
 
 
 def _switch(name: str) -> str | None:
@@ -399,8 +412,8 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
         config = next((i for i, t in enumerate(SM90_DECODE_TILES) if t >= m),
                       len(SM90_DECODE_TILES) - 1)
         bt = SM90_DECODE_TILES[config]
-        rows = forced_rows or _decode_rows(cdiv(n, 64) * cdiv(m, bt), num_sms)
-        if bt > SM90_DECODE_ROWS64_MAX_BT:
+        rows = forced_rows or _decode_rows(n, cdiv(m, bt), num_sms)
+        if bt > SM90_DECODE_ROWS64_MAX_BT and rows == 64:
             rows = 128
         tiles = cdiv(n, rows) * cdiv(m, bt)
         # Split K until every SM streams weights; the largest split count that still fits in
@@ -409,7 +422,9 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
         # Shared memory holds the token scales of the CTA's whole K range (<= 32 KB).
         max_kb = 32768 // (bt * 4)
         splits = min(max(splits, cdiv(num_kb, max_kb)), num_kb)
-        ctas = _decode_ctas_per_sm(bt, cdiv(num_kb, splits), rows, forced_ctas)
+        # (CTAs owning fewer rows than 64 / 128 run one an SM: csrc/sm90/decode_kernel.cuh)
+        ctas = (_decode_ctas_per_sm(bt, cdiv(num_kb, splits), rows, forced_ctas)
+                if rows in (64, 128) else 1)
         return ("decode", config, splits, ctas, rows)
     # From 33 tokens the large-M kernel's 64-row tiles beat the decode kernel's 64-token
     # tiles nearly everywhere (H100, M=64, results/2026-11-23_midm_sweep_h100.log: 24576x1536
@@ -494,6 +509,16 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
     if 128 < m < 512 and cdiv(m, 128) * cdiv(n, 96) <= num_sms:
         candidates += (10,)
     best = min(candidates, key=lambda c: _waves_x_area(m, n, num_sms, SM90_GEMM_CONFIGS[c]))
+    if best == 1 and 64 < m <= 128:
+        # At 65-128 tokens 128x64 tiles come in the same count as 64x128 ones and take them
+        # over: a 128x64 CTA reads each weight tile once for both 64-row halves, where the
+        # two 64x128 CTAs of an N block share it through L2 only while they run side by
+        # side, which the CTAs' placement on the SMs decides. Behind the quant kernel under
+        # PDL (our CTAs placed as the quant kernel's leave the SMs) the sharing breaks. H100,
+        # M = 128, 128x64 vs 64x128: fp8_linear 57344x8192 175 vs 247 us, 24576x1536 17.4
+        # vs 18.2; block_fp8_gemm (all CTAs placed at once) 174 vs 171, 15.6 vs 16.4
+        # (results/2026-11-25_linear_pdl_placement_h100.log).
+        return ("gemm", 7)
     # 128x128 pairs multicasting the shared weight tile from M >= 4096: 1-4% faster there
     # (less L2 traffic), 1-3% slower below, where the pair's lockstep costs more than it
     # saves.

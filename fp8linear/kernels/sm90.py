@@ -115,7 +115,8 @@ def _launch(m: int, n: int, k: int, x_dtype, index: int, linear: bool) -> _Launc
         tiles = cdiv(n, rows) * cdiv(m, bt)
         cluster = heuristics.sm90_decode_cluster_reduce(config, splits)
         if splits > 1 and not cluster:
-            ws_floats = splits * tiles * bt * rows
+            # (a split's partial tile spans the CTA's 64 or 128 rows, however many it owns)
+            ws_floats = splits * tiles * bt * (64 if rows == 64 else 128)
         early = heuristics.sm90_decode_early_trigger(plan, tiles, num_sms)
     got = _Launch(plan, fused, tiles, ws_floats, cluster, _pdl(), early,
                   _gemm_pdl())

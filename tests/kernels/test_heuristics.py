@@ -19,7 +19,8 @@ H100 = h.TritonDevice(SMS, 227 * 1024, False, (9, 0))
     (192, 6144, 4096, 10),    # one wave of 128x96 (13.3 us) vs 64x128 (17.2)
     (160, 4096, 4096, 1),     # a tie of waves x area: 64x128 pads no half-empty block
     (192, 8192, 8192, 1),
-    (128, 24576, 1536, 1),    # 3 waves of 64x128 vs 2 of 128x128 (half the area each)
+    (128, 24576, 1536, 7),    # 3 waves of 64x128 beat 2 of 128x128; as 128x64 (the same count)
+    (128, 57344, 8192, 7),    # ... one CTA a weight tile: no sharing through L2 to lose
     (128, 10240, 8192, 0),    # one wave of 128x128 vs two of 64x128: the tie keeps 128x128
     (64, 4096, 4096, 8),      # 33-64 tokens: the large-M kernel; one wave of 64x32 tiles
     (64, 2176, 7168, 8),      # 136 tiles of 64x16 would take two waves: 68 of 64x32
@@ -72,7 +73,10 @@ def test_forced_gemm_config(monkeypatch):
     (64, 1536, 7168, 3, 5, 1, 64),   # 96 tiles of 64x16 < 3/4 of the SMs: decode, 5 splits
     (33, 576, 7168, 3, 14, 1, 64),   # 9 rows of 64 (DeepSeek-V3's kv_a_proj): 14 splits
     (32, 8192, 8192, 2, 1, 1, 64),   # 128 tiles, 64 K blocks a CTA: one CTA an SM
-    (1, 10240, 8192, 0, 1, 1, 128),  # 160 tiles of 64 rows would spill into a second wave
+    (1, 10240, 8192, 0, 1, 1, 80),   # 160 tiles of 64 rows would spill into a second wave,
+    (16, 12288, 4096, 1, 1, 1, 96),  # ... 128-row CTAs leave SMs idle: one wave of 80 / 96 /
+    (32, 14336, 4096, 2, 1, 1, 112), # ... 112-row CTAs
+    (1, 16384, 4096, 0, 1, 1, 128),  # (exactly one wave of 128 rows)
     (1, 28672, 4096, 0, 1, 1, 128),  # 224 tiles of 128 (448 of 64)
     (1, 57344, 8192, 0, 1, 1, 64),   # 896 tiles of 64: so many waves that the finer tail wins
 ])
@@ -93,7 +97,7 @@ def test_decode_rows_and_splits_forced(monkeypatch):
     monkeypatch.setenv("FP8LINEAR_SM90_DECODE_SPLITS", "3")
     assert h.sm90_plan(1, 4096, 4096, SMS)[2] == 3
     assert h.sm90_plan(1, 4096, 256, SMS)[2] == 2           # never more than the K blocks
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_ROWS", "96")
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_ROWS", "48")
     with pytest.raises(ValueError, match="FP8LINEAR_SM90_DECODE_ROWS"):
         h.sm90_plan(1, 4096, 4096, SMS)
 
