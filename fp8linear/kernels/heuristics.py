@@ -488,12 +488,13 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
     # 10240x8192 x 128 42.6 us against 35.9 with one wave of 128x128.)
     candidates = ((0, 5, 3, 7) if m >= 512 else (0, 1, 5, 3, 7) if m >= 256
                   else (0, 1, 5, 7) if m > 64 else (0, 1, 5, 7, 6))
-    if 64 < m < 256 and cdiv(m, 64) * 64 < cdiv(m, 128) * 128:
-        # Below 256 tokens, where 128-row tiles would pad a last half-empty block, ties go to
-        # 64x128 (listed first): the kernel is mostly weight-bound there (M = 192: 6144x4096
-        # 17.4 vs 20.1 us with 128x128, 8192^2 36.7 vs 41.2;
-        # results/2026-11-24_midm_tiles_sweep_h100.log).
-        candidates = (1, 0, 5, 7)
+    # (At 129-192 tokens ties between 64x128 and 128x128 went to 64x128 until session 12:
+    # session 6 measured 8192^2 x 192 36.7 vs 41.2 us. Since the 128-row tiles' single
+    # partial and unrolled loop (session 10) 128x128 wins them: one wave of 112-128 tiles
+    # instead of 1.3-1.5 of 64x128, M = 136-192, 7168x2048 / 7168x16384 / 8192^2 /
+    # 8192x28672, block_fp8_gemm back to back 1.13x geomean, after an elementwise kernel
+    # 1.22x, fp8_linear after one 1.21x (8192^2 x 192 34.0 -> 29.6 us, 8192x28672 x 136
+    # 110.7 -> 96.9); results/2026-11-25_midm_129_192_h100.log.)
     # DeepGEMM's widths (session 10, results/2026-11-24_gemm_bn96_160_ab_h100.log, forced
     # configs against the heuristic's pick, back to back): 128x160 pairs sharing the weight
     # tile at 256-1024 tokens (10240x8192 x 256 / 512 / 1024: 39.5 -> 36.9, 73.3 -> 66.4,

@@ -17,8 +17,8 @@ H100 = h.TritonDevice(SMS, 227 * 1024, False, (9, 0))
     (256, 4096, 14336, 7),    # 32.3 vs 34.0 us with 64x128
     (256, 2112, 7168, 6),     # 132 tiles of 64x64 still fit one wave
     (192, 6144, 4096, 10),    # one wave of 128x96 (13.3 us) vs 64x128 (17.2)
-    (160, 4096, 4096, 1),     # a tie of waves x area: 64x128 pads no half-empty block
-    (192, 8192, 8192, 1),
+    (160, 4096, 4096, 1),     # one wave of 96 64x128 tiles: no half-empty 128-row block
+    (192, 8192, 8192, 0),     # a tie of waves x area: one wave of 128x128 beats 1.5 of 64x128
     (128, 24576, 1536, 7),    # 3 waves of 64x128 beat 2 of 128x128; as 128x64 (the same count)
     (128, 57344, 8192, 7),    # ... one CTA a weight tile: no sharing through L2 to lose
     (128, 10240, 8192, 0),    # one wave of 128x128 vs two of 64x128: the tie keeps 128x128
