@@ -97,6 +97,9 @@ def test_decode_rows_and_splits_forced(monkeypatch):
     monkeypatch.setenv("FP8LINEAR_SM90_DECODE_SPLITS", "3")
     assert h.sm90_plan(1, 4096, 4096, SMS)[2] == 3
     assert h.sm90_plan(1, 4096, 256, SMS)[2] == 2           # never more than the K blocks
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_ROWS", "80")
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CTAS", "2")
+    assert h.sm90_plan(1, 4096, 4096, SMS)[3:] == (1, 80)     # fewer rows: one CTA an SM
     monkeypatch.setenv("FP8LINEAR_SM90_DECODE_ROWS", "48")
     with pytest.raises(ValueError, match="FP8LINEAR_SM90_DECODE_ROWS"):
         h.sm90_plan(1, 4096, 4096, SMS)
