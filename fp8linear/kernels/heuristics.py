@@ -347,16 +347,17 @@ def forced_gemm_config() -> int | None:
     return i
 
 
-def sm90_plan(m: int, n: int, k: int, num_sms: int):
+def sm90_plan(m: int, n: int, k: int, num_sms: int, after_quant: bool = False):
     """-> ("decode", config, splits, ctas_per_sm, rows) or ("gemm", config). fp8_linear asks
-    sm90_fuse_quant whether a decode plan also quantizes the activations itself."""
+    sm90_fuse_quant whether a decode plan also quantizes the activations itself, and passes
+    after_quant: its large-M GEMM runs behind our quant kernel under PDL."""
     forced = forced_gemm_config()
     if forced is not None:
         return ("gemm", forced)
     # (the decode CTA count per SM, rows, splits and range can be set too: part of the cache key)
     return _sm90_plan(m, n, k, num_sms, decode_max_m(), env(_FORCE_DECODE_CTAS),
                       _forced_int(_FORCE_DECODE_ROWS, SM90_DECODE_ROWS),
-                      _forced_int(_FORCE_DECODE_SPLITS, range(1, 1025)))
+                      _forced_int(_FORCE_DECODE_SPLITS, range(1, 1025)), after_quant)
 
 
 def _forced_int(name: str, allowed) -> int | None:
@@ -380,7 +381,7 @@ def decode_max_m() -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECODE_MAX_M,
-               forced_ctas=None, forced_rows=None, forced_splits=None):
+               forced_ctas=None, forced_rows=None, forced_splits=None, after_quant=False):
     # Cached: the same shapes repeat every step.
     num_kb = cdiv(k, BLOCK)
     # 64x64 tiles of the large-M kernel: twice the CTAs of 64x128, for the middle of the M
@@ -509,7 +510,18 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
         candidates += (11,)
     if 128 < m < 512 and cdiv(m, 128) * cdiv(n, 96) <= num_sms:
         candidates += (10,)
-    best = min(candidates, key=lambda c: _waves_x_area(m, n, num_sms, SM90_GEMM_CONFIGS[c]))
+    def cost(c):
+        return _waves_x_area(m, n, num_sms, SM90_GEMM_CONFIGS[c])
+    best = min(candidates, key=cost)
+    if best == 1 and after_quant and 128 < m <= 192 and cost(0) <= 1.3 * cost(1):
+        # Behind the quant kernel three 64x128 CTAs share each weight tile through L2 only as
+        # well as their placement lets them (see the 65-128 rule below): 128x128 unless its
+        # waves x area is over 1.3x. H100, M = 136 / 192, fp8_linear after an elementwise
+        # kernel, 128x128 vs 64x128: 57344x8192 205 / 206 vs 218 / 241 us, 24576x1536 20.9 /
+        # 21.1 vs 23.4 / 24.1; where 128x128 leaves most of a second wave idle 64x128 stays
+        # (10240x8192 40.7 vs 53.1); block_fp8_gemm keeps 64x128 (0.7-3% faster there)
+        # (results/2026-11-25_midm_129_192_h100.log).
+        return ("gemm", 0)
     if best == 1 and 64 < m <= 128:
         # At 65-128 tokens 128x64 tiles come in the same count as 64x128 ones and take them
         # over: a 128x64 CTA reads each weight tile once for both 64-row halves, where the

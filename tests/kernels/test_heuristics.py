@@ -84,6 +84,18 @@ def test_decode_plans(m, n, k, tile, splits, ctas, rows):
     assert h.sm90_plan(m, n, k, SMS) == ("decode", tile, splits, ctas, rows)
 
 
+@pytest.mark.parametrize("m,n,k,alone,after_quant", [
+    (136, 57344, 8192, 1, 0),   # behind the quant kernel 64x128 tiles lose their L2 sharing
+    (192, 24576, 1536, 1, 0),
+    (136, 10240, 8192, 1, 1),   # ... unless 128x128 would leave most of a second wave idle
+    (136, 4096, 14336, 1, 1),   # one wave of 64x128
+    (256, 57344, 8192, 3, 3),   # only at 129-192 tokens (measured)
+])
+def test_plan_after_quant_kernel(m, n, k, alone, after_quant):
+    assert h.sm90_plan(m, n, k, SMS) == ("gemm", alone)
+    assert h.sm90_plan(m, n, k, SMS, after_quant=True) == ("gemm", after_quant)
+
+
 def test_decode_rows_and_splits_forced(monkeypatch):
     monkeypatch.setenv("FP8LINEAR_SM90_DECODE_ROWS", "128")
     assert h.sm90_plan(1, 4096, 4096, SMS) == ("decode", 0, 4, 2, 128)

@@ -161,7 +161,7 @@ def test_launch_decided_once_per_shape(ext, monkeypatch):
     monkeypatch.setattr(heuristics, "_on_reload", [sm90._launches.clear])
     calls = []
     real = heuristics.sm90_plan
-    monkeypatch.setattr(heuristics, "sm90_plan", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(heuristics, "sm90_plan", lambda *a, **kw: calls.append(a) or real(*a, **kw))
     m, n, k = 1, 4096, 4096
     x, _, _, w, ws = _operands(m, n, k)
     for _ in range(3):
