@@ -473,7 +473,9 @@ def backend_name(method, m, n, k):
     if name == "sm90" and DEV == "cuda" and hasattr(heuristics, "sm90_plan"):
         try:
             sms = torch.cuda.get_device_properties(0).multi_processor_count
-            return f"sm90 {heuristics.sm90_plan(m, n, k, sms)}"
+            # (fp8_linear's GEMM runs behind the quant kernel: its plan knows)
+            plan = heuristics.sm90_plan(m, n, k, sms, after_quant=method == "fp8linear_linear")
+            return f"sm90 {plan}"
         except Exception:
             pass
     return name
