@@ -16,32 +16,6 @@ __device__ __forceinline__ float to_f(float v) { return v; }
 __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
 
-// Four consecutive values starting at element k0 (< K masked to 0). Vector loads when whole:
-// K % 16 == 0 keeps them aligned.
-template <typename T>
-__device__ __forceinline__ void load4(const T* src, int k0, int K, float v[4]) {
-  if (k0 + 4 <= K) {
-    if constexpr (sizeof(T) == 2) {
-      const uint2 raw = *reinterpret_cast<const uint2*>(src);
-      const T* h = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) v[i] = to_f(h[i]);
-    } else {
-      const float4 f = *reinterpret_cast<const float4*>(src);
-      v[0] = f.x; v[1] = f.y; v[2] = f.z; v[3] = f.w;
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = k0 + i < K ? to_f(src[i]) : 0.f;
-  }
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
 // 8 bf16 (or fp16) values packed in 16 bytes, as floats
 __device__ __forceinline__ void unpack8(const uint4& bits, bool fp16, float v[8]) {
   const uint32_t w[4] = {bits.x, bits.y, bits.z, bits.w};

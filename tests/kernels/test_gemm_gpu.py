@@ -706,6 +706,36 @@ def test_determinism(backend, m, nk, per_row, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_sm90_extension_rejects_bad_rows_and_oversized_quant(monkeypatch):
+    """Launch arguments the heuristics never produce are refused by the extension with a
+    message, before any launch: decode CTAs owning 72..120 rows at two an SM, a row count off
+    the allowed set, and a quantization too large for the quant kernel's int indices (checked
+    on stride-0 views, so nothing that size is allocated)."""
+    _select("sm90", monkeypatch)
+    from fp8linear.kernels import build
+    ext = build.load()
+    m, n, k = 1, 1024, 256
+    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+    wq, ws = fp8linear.quantize_weight(torch.randn(n, k, device=DEVICE))
+    out = _poisoned(m, n, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="decode CTAs owning 72..120 rows run one an SM"):
+        ext.decode(x, None, wq, ws, False, None, out, 0, 13, 0, 80, 1, 2, False, False, False,
+                   False)
+    with pytest.raises(RuntimeError, match="rows must be 64 .token tiles <= 64., 128, or a "
+                                           "multiple of 8 in 72..120"):
+        ext.decode(x, None, wq, ws, False, None, out, 0, 11, 0, 100, 1, 1, False, False, False,
+                   False)
+    torch.cuda.synchronize()
+    assert bool(out.isnan().all()), "a rejected launch wrote to its output"
+    big_m, big_k = 1 << 20, 8192           # 2^26 groups of 128 channels: 32 lanes each > 2^31
+    xe = torch.empty(1, big_k, device=DEVICE, dtype=torch.bfloat16).expand(big_m, big_k)
+    qe = torch.empty(1, big_k, device=DEVICE, dtype=torch.uint8).expand(big_m, big_k)
+    se = torch.empty(big_k // 128, 1, device=DEVICE).expand(big_k // 128, big_m)
+    with pytest.raises(RuntimeError, match="too many tokens x channels for one launch"):
+        ext.quant(xe, qe, se, False)
+
+
+@pytest.mark.gpu
 def test_sm90_decode_rejects_fp32_for_fused_quantization(monkeypatch):
     """The decode kernel quantizes bf16/fp16 activations itself; fp32 ones must go through
     the quant kernel first (quant_first), and the extension says so rather than launching."""
