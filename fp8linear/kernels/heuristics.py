@@ -138,6 +138,8 @@ _FUSE_QUANT = "FP8LINEAR_SM90_FUSE_QUANT"
 SM90_DECODE_SMEM = {1: 232448, 2: 115712}
 
 
+# weights from which 17-32 tokens take the large-M tiles over an unsplit decode grid
+SM90_TILES_OVER_DECODE_MIN_BYTES = 100_000_000
 SM90_DECODE_TWO_PER_SM_MAX_BT = 32
 _FORCE_DECODE_CTAS = "FP8LINEAR_SM90_DECODE_CTAS"
 # (dev knobs for sweeps: the decode CTA's weight rows, 64 or 128, and its K split count)
@@ -426,7 +428,24 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
         # (CTAs owning fewer rows than 64 / 128 run one an SM: csrc/sm90/decode_kernel.cuh)
         ctas = (_decode_ctas_per_sm(bt, cdiv(num_kb, splits), rows, forced_ctas)
                 if rows in (64, 128) else 1)
-        return ("decode", config, splits, ctas, rows)
+        if not (SM90_DECODE_TILES[1] < m <= SM90_DECODE_TILES[2] and splits == 1
+                and (num_kb <= 12 or n * k >= SM90_TILES_OVER_DECODE_MIN_BYTES)
+                and decode_max == SM90_DECODE_MAX_M
+                and forced_rows is forced_splits is forced_ctas is None):
+            return ("decode", config, splits, ctas, rows)
+        # 17-32 tokens where the decode grid needs no K split to fill the SMs (many weight
+        # rows) and either each CTA streams a short K range (<= 12 blocks) or the weights are
+        # large (>= 100 MB): the large-M tiles, as picked for 33-64 tokens below. After an
+        # elementwise kernel, as in a model, they win (H100, M = 17/24/32,
+        # results/2026-11-25_m17_32_decode_vs_tiles_h100.log, block_fp8_gemm / fp8_linear):
+        # 32768x512 10.9 -> 9.2 / 11.8 -> 10.1 us, 24576x1536 17.5 -> 16.4 / 18.5 -> 17.2,
+        # 28672x4096 44.4 -> 42.6 / 45.7 -> 43.5, 57344x8192 +3-4%, 7168x16384 +2-3%,
+        # 8192x28672 +1-2%; back to back they lose 0-6% (the decode kernel's launch, ring
+        # fill and tail hide behind the previous GEMM under PDL, which a model step rarely
+        # offers) except 57344x8192 (+1-3%). On mid-size weights (8192^2, 10240x8192,
+        # 12288-14336x4096, 6144x7168: 1-3% faster after an elementwise kernel, 2-12% slower
+        # back to back) and where the decode kernel splits K (2112x7168: 19-24% slower both
+        # ways) decode stays.
     # From 33 tokens the large-M kernel's 64-row tiles beat the decode kernel's 64-token
     # tiles nearly everywhere (H100, M=64, results/2026-11-23_midm_sweep_h100.log: 24576x1536
     # 16.8 vs 20.1 us, 32768x512 8.9 vs 11.2, 57344x8192 168 vs 177, 8192x28672 83.1 vs 86.9,

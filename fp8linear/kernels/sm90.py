@@ -1,9 +1,10 @@
 """The Hopper backend: our sm_90a CUDA kernels (csrc/sm90), built on first use.
 
 Two kernels sit behind the backend protocol, chosen by heuristics.sm90_plan:
-- decode (M <= 32 by default): swap-AB, split-K; activation quantization fused into the
-  launch up to M = 16 where each CTA's slice is small (heuristics.sm90_fuse_quant), else a
-  separate quantization kernel first (it lets the GEMM start early under PDL);
+- decode (M <= 32 by default, with exceptions from 17 tokens: heuristics.sm90_plan): swap-AB,
+  split-K; activation quantization fused into the launch up to M = 16 where each CTA's
+  slice is small (heuristics.sm90_fuse_quant), else a separate quantization kernel first
+  (it lets the GEMM start early under PDL);
 - large M: quantization kernel, then the persistent TMA/wgmma GEMM.
 Python here only picks the launch (decided once per problem size, see _launch) and hands
 the extension its tensors; the extension allocates its scratch (quantized activations, the

@@ -84,6 +84,30 @@ def test_decode_plans(m, n, k, tile, splits, ctas, rows):
     assert h.sm90_plan(m, n, k, SMS) == ("decode", tile, splits, ctas, rows)
 
 
+@pytest.mark.parametrize("m,n,k,plan", [
+    (17, 32768, 512, ("gemm", 1)),     # no K split, 4 K blocks a CTA: the large-M tiles
+    (32, 24576, 1536, ("gemm", 6)),    # ... 12 K blocks
+    (24, 28672, 4096, ("gemm", 1)),    # ... 117 MB of weights
+    (32, 57344, 8192, ("gemm", 6)),
+    (16, 32768, 512, ("decode", 1, 1, 2, 128)),   # up to 16 tokens decode stays
+    (32, 10240, 8192, ("decode", 2, 1, 1, 80)),   # 84 MB, 64 K blocks: decode
+    (32, 12288, 4096, ("decode", 2, 1, 1, 96)),   # 50 MB, 32 K blocks: decode
+    (32, 2112, 7168, ("decode", 2, 4, 2, 64)),    # K split 4 ways: decode
+])
+def test_tiles_over_unsplit_decode_at_17_32_tokens(m, n, k, plan):
+    assert h.sm90_plan(m, n, k, SMS) == plan
+    assert h.sm90_plan(m, n, k, SMS, after_quant=True) == plan
+
+
+def test_tiles_over_decode_rule_yields_to_decode_knobs(monkeypatch):
+    # any decode knob set explicitly keeps the decode kernel (the knobs are for sweeps)
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CTAS", "1")
+    assert h.sm90_plan(32, 32768, 512, SMS) == ("decode", 2, 1, 1, 128)
+    monkeypatch.delenv("FP8LINEAR_SM90_DECODE_CTAS")
+    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_MAX_M", "64")
+    assert h.sm90_plan(32, 32768, 512, SMS)[0] == "decode"
+
+
 @pytest.mark.parametrize("m,n,k,alone,after_quant", [
     (136, 57344, 8192, 1, 0),   # behind the quant kernel 64x128 tiles lose their L2 sharing
     (192, 24576, 1536, 1, 0),
