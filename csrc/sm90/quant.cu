@@ -37,18 +37,9 @@ using LaneBits = std::conditional_t<kV * sizeof(T) == 16, uint4, uint2>;
 template <typename T, int kV>
 __device__ __forceinline__ void to_floats(const LaneBits<T, kV>& raw, float* v) {
   const uint32_t* w = reinterpret_cast<const uint32_t*>(&raw);
+  constexpr int kPerWord = 4 / sizeof(T);
 #pragma unroll
-  for (int i = 0; i < int(sizeof(raw) / 4); ++i) {
-    if constexpr (std::is_same_v<T, float>) {
-      v[i] = __uint_as_float(w[i]);
-    } else if constexpr (std::is_same_v<T, __half>) {
-      const __half2 h = *reinterpret_cast<const __half2*>(&w[i]);
-      v[2 * i] = __low2float(h), v[2 * i + 1] = __high2float(h);
-    } else {
-      const __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&w[i]);
-      v[2 * i] = __low2float(h), v[2 * i + 1] = __high2float(h);
-    }
-  }
+  for (int i = 0; i < int(sizeof(raw) / 4); ++i) word_to_floats<T>(w[i], v + kPerWord * i);
 }
 
 template <typename T, int kV, int kUnroll>

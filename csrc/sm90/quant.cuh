@@ -6,6 +6,7 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace fp8l {
 
@@ -16,20 +17,28 @@ __device__ __forceinline__ float to_f(float v) { return v; }
 __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
 
-// 8 bf16 (or fp16) values packed in 16 bytes, as floats
+// The values of type T (fp32, or two fp16 / bf16) in one 32-bit word, as floats.
+template <typename T>
+__device__ __forceinline__ void word_to_floats(uint32_t w, float* v) {
+  if constexpr (std::is_same_v<T, float>) {
+    v[0] = __uint_as_float(w);
+  } else if constexpr (std::is_same_v<T, __half>) {
+    const __half2 h = *reinterpret_cast<const __half2*>(&w);
+    v[0] = __low2float(h), v[1] = __high2float(h);
+  } else {
+    const __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&w);
+    v[0] = __low2float(h), v[1] = __high2float(h);
+  }
+}
+
+// 8 bf16 (or fp16) values packed in 16 bytes, as floats (the decode kernel's input type is a
+// run-time flag)
 __device__ __forceinline__ void unpack8(const uint4& bits, bool fp16, float v[8]) {
   const uint32_t w[4] = {bits.x, bits.y, bits.z, bits.w};
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
-    if (fp16) {
-      const __half2 h = *reinterpret_cast<const __half2*>(&w[q]);
-      v[2 * q] = __low2float(h);
-      v[2 * q + 1] = __high2float(h);
-    } else {
-      const __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&w[q]);
-      v[2 * q] = __low2float(h);
-      v[2 * q + 1] = __high2float(h);
-    }
+    if (fp16) word_to_floats<__half>(w[q], v + 2 * q);
+    else word_to_floats<__nv_bfloat16>(w[q], v + 2 * q);
   }
 }
 
