@@ -406,6 +406,21 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
     # 15.2 -> 10.8. Where 64x16 tiles fill the SMs (2112x7168: 132 of them) the large-M kernel
     # wins since its loads are issued by an elected thread (session 8,
     # results/2026-11-24_midm_tiles_sweep_h100.log: M=64 8.9 vs 11.6 us, M=48 9.6 vs 11.7).
+    # 8-32 tokens where one wave of the large-M kernel's 64x32 tiles fills at least 3/4 of the
+    # SMs (N = 3.2K-4.2K rows, e.g. Llama 8B's o_proj and down_proj): those tiles, not the
+    # split-K decode kernel (no split reduction at the end; each CTA streams 32 whole rows).
+    # After an elementwise kernel, as in a model (H100, block_fp8_gemm / fp8_linear,
+    # results/2026-11-25_m1_16_decode_vs_tiles_h100.log at M = 8-16 and
+    # ..._n4096_m8_32_tiles_h100.log at 24-32): 4096^2 1.10 / 1.03-1.11x, 4096x7168 1.06-1.13 /
+    # 1.06-1.14x, 4096x14336 1.04-1.09 / 1.04-1.09x; back to back 0.92-0.99 / 0.87-1.03x, where
+    # PDL hides the decode kernel's reduction behind the previous GEMM. At 2-4 tokens fp8_linear's
+    # fused quantization makes decode as fast after an elementwise kernel and faster back to
+    # back; where 64x32 tiles fill only half the SMs (2112x7168) decode wins both ways.
+    # (4096^2 at 17-32 tokens takes the 64x64 tiles above: the same time.)
+    if (8 <= m <= SM90_DECODE_TILES[2] and 3 * num_sms <= 4 * cdiv(n, 32) <= 4 * num_sms
+            and decode_max == SM90_DECODE_MAX_M
+            and forced_rows is forced_splits is forced_ctas is None):
+        return ("gemm", 8)
     few_rows = (SM90_DECODE_TILES[2] < m <= SM90_DECODE_TILES[3]
                 and 4 * cdiv(n, 16) < 3 * num_sms and forced_rows is None)
     if m <= decode_max or few_rows:

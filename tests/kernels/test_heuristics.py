@@ -68,7 +68,7 @@ def test_forced_gemm_config(monkeypatch):
     (1, 2112, 7168, 0, 4, 2, 64),    # 33 tiles x 4 splits
     (1, 7168, 16384, 0, 1, 1, 64),   # 112 tiles: no split; 128 K blocks a CTA: one CTA an SM
     (1, 6144, 4096, 0, 1, 1, 64),    # 96 tiles, no split
-    (16, 4096, 4096, 1, 2, 2, 64),
+    (16, 2112, 7168, 1, 4, 2, 64),   # (4096 rows at 8-32 tokens: 64x32 tiles, below)
     (32, 2112, 7168, 2, 4, 2, 64),   # 56 K blocks: the decode kernel, not 64x64 tiles
     (64, 1536, 7168, 3, 5, 1, 64),   # 96 tiles of 64x16 < 3/4 of the SMs: decode, 5 splits
     (33, 576, 7168, 3, 14, 1, 64),   # 9 rows of 64 (DeepSeek-V3's kv_a_proj): 14 splits
@@ -99,6 +99,20 @@ def test_tiles_over_unsplit_decode_at_17_32_tokens(m, n, k, plan):
     assert h.sm90_plan(m, n, k, SMS, after_quant=True) == plan
 
 
+@pytest.mark.parametrize("m,n,k,plan", [
+    (8, 4096, 4096, ("gemm", 8)),      # one wave of 64x32 tiles fills the SMs: those tiles
+    (16, 4096, 14336, ("gemm", 8)),
+    (32, 4096, 7168, ("gemm", 8)),
+    (24, 4096, 4096, ("gemm", 6)),     # (the 64x64 rule for short K comes first)
+    (4, 4096, 4096, ("decode", 0, 2, 2, 64)),     # below 8 tokens decode stays
+    (16, 2112, 7168, ("decode", 1, 4, 2, 64)),    # 64x32 would fill half the SMs: decode
+    (16, 4352, 4096, ("decode", 1, 1, 1, 64)),    # 136 tiles of 64x32: over one wave
+])
+def test_narrow_tiles_over_split_decode_at_8_32_tokens(m, n, k, plan):
+    assert h.sm90_plan(m, n, k, SMS) == plan
+    assert h.sm90_plan(m, n, k, SMS, after_quant=True) == plan
+
+
 def test_tiles_over_decode_rule_yields_to_decode_knobs(monkeypatch):
     # any decode knob set explicitly keeps the decode kernel (the knobs are for sweeps)
     monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CTAS", "1")
@@ -106,6 +120,7 @@ def test_tiles_over_decode_rule_yields_to_decode_knobs(monkeypatch):
     monkeypatch.delenv("FP8LINEAR_SM90_DECODE_CTAS")
     monkeypatch.setenv("FP8LINEAR_SM90_DECODE_MAX_M", "64")
     assert h.sm90_plan(32, 32768, 512, SMS)[0] == "decode"
+    assert h.sm90_plan(16, 4096, 4096, SMS)[0] == "decode"
 
 
 @pytest.mark.parametrize("m,n,k,alone,after_quant", [
