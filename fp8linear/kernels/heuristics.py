@@ -443,10 +443,14 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
         # (CTAs owning fewer rows than 64 / 128 run one an SM: csrc/sm90/decode_kernel.cuh)
         ctas = (_decode_ctas_per_sm(bt, cdiv(num_kb, splits), rows, forced_ctas)
                 if rows in (64, 128) else 1)
-        if not (SM90_DECODE_TILES[1] < m <= SM90_DECODE_TILES[2] and splits == 1
-                and (num_kb <= 12 or n * k >= SM90_TILES_OVER_DECODE_MIN_BYTES)
-                and decode_max == SM90_DECODE_MAX_M
-                and forced_rows is forced_splits is forced_ctas is None):
+        multi_wave = tiles > ctas * num_sms
+        tiles_instead = (
+            splits == 1 and decode_max == SM90_DECODE_MAX_M
+            and forced_rows is forced_splits is forced_ctas is None
+            and ((SM90_DECODE_TILES[1] < m <= SM90_DECODE_TILES[2]
+                  and (num_kb <= 12 or n * k >= SM90_TILES_OVER_DECODE_MIN_BYTES))
+                 or (2 <= m <= SM90_DECODE_TILES[2] and multi_wave)))
+        if not tiles_instead:
             return ("decode", config, splits, ctas, rows)
         # 17-32 tokens where the decode grid needs no K split to fill the SMs (many weight
         # rows) and either each CTA streams a short K range (<= 12 blocks) or the weights are
@@ -461,6 +465,11 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
         # 12288-14336x4096, 6144x7168: 1-3% faster after an elementwise kernel, 2-12% slower
         # back to back) and where the decode kernel splits K (2112x7168: 19-24% slower both
         # ways) decode stays.
+        # From 2 tokens, the same where the decode grid takes more than one wave (the most
+        # rows: 28672x4096, 57344x8192): M = 2-16, results/2026-11-25_m1_16_decode_vs_tiles_h100.log,
+        # after an elementwise kernel block_fp8_gemm 1.04-1.07x / 1.03-1.04x, fp8_linear
+        # 1.02-1.05x / 1.02-1.04x; back to back 0.97-0.98x / 1.02x, fp8_linear 0.98-1.02x /
+        # 1.01-1.02x. (One-wave grids lose back to back by up to 19%: 32768x512, 24576x1536.)
     # From 33 tokens the large-M kernel's 64-row tiles beat the decode kernel's 64-token
     # tiles nearly everywhere (H100, M=64, results/2026-11-23_midm_sweep_h100.log: 24576x1536
     # 16.8 vs 20.1 us, 32768x512 8.9 vs 11.2, 57344x8192 168 vs 177, 8192x28672 83.1 vs 86.9,

@@ -89,12 +89,15 @@ def test_decode_plans(m, n, k, tile, splits, ctas, rows):
     (32, 24576, 1536, ("gemm", 6)),    # ... 12 K blocks
     (24, 28672, 4096, ("gemm", 1)),    # ... 117 MB of weights
     (32, 57344, 8192, ("gemm", 6)),
-    (16, 32768, 512, ("decode", 1, 1, 2, 128)),   # up to 16 tokens decode stays
+    (2, 28672, 4096, ("gemm", 1)),     # from 2 tokens where the decode grid is multi-wave
+    (16, 57344, 8192, ("gemm", 6)),
+    (1, 28672, 4096, ("decode", 0, 1, 1, 128)),   # (one token: decode)
+    (16, 32768, 512, ("decode", 1, 1, 2, 128)),   # one wave (2 an SM): decode up to 16 tokens
     (32, 10240, 8192, ("decode", 2, 1, 1, 80)),   # 84 MB, 64 K blocks: decode
     (32, 12288, 4096, ("decode", 2, 1, 1, 96)),   # 50 MB, 32 K blocks: decode
     (32, 2112, 7168, ("decode", 2, 4, 2, 64)),    # K split 4 ways: decode
 ])
-def test_tiles_over_unsplit_decode_at_17_32_tokens(m, n, k, plan):
+def test_tiles_over_unsplit_decode_grids(m, n, k, plan):
     assert h.sm90_plan(m, n, k, SMS) == plan
     assert h.sm90_plan(m, n, k, SMS, after_quant=True) == plan
 
