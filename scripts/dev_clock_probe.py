@@ -39,8 +39,8 @@ def main():
     for m_, why in libs.dropped.items():
         print(f"# dropped {m_}: {why}")
     smi = subprocess.Popen(
-        ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader,nounits",
-         "-lms", "20"], stdout=subprocess.PIPE, text=True)
+        ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw",
+         "--format=csv,noheader,nounits", "-lms", "20"], stdout=subprocess.PIPE, text=True)
     samples = []  # (wall time, clock MHz, power W), stamped as each line arrives
 
     def reader():
@@ -68,7 +68,8 @@ def main():
                     g.replay()
                     torch.cuda.synchronize()
                     t0 = time.time()
-                    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    ev0 = torch.cuda.Event(enable_timing=True)
+                    ev1 = torch.cuda.Event(enable_timing=True)
                     ev0.record()
                     count = 0
                     while time.time() - t0 < args.seconds:

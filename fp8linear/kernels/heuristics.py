@@ -138,7 +138,7 @@ _FUSE_QUANT = "FP8LINEAR_SM90_FUSE_QUANT"
 SM90_DECODE_SMEM = {1: 232448, 2: 115712}
 
 
-# weights from which 17-32 tokens take the large-M tiles over an unsplit decode grid
+# weights from which 17-32 tokens take the large-M tiles over an unsplit decode grid (sm90_plan)
 SM90_TILES_OVER_DECODE_MIN_BYTES = 100_000_000
 SM90_DECODE_TWO_PER_SM_MAX_BT = 32
 _FORCE_DECODE_CTAS = "FP8LINEAR_SM90_DECODE_CTAS"
@@ -386,6 +386,9 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
                forced_ctas=None, forced_rows=None, forced_splits=None, after_quant=False):
     # Cached: the same shapes repeat every step.
     num_kb = cdiv(k, BLOCK)
+    # the rules that move decode sizes to the large-M tiles stand aside for the decode knobs
+    decode_knobs = (decode_max != SM90_DECODE_MAX_M or forced_rows is not None
+                    or forced_splits is not None or forced_ctas is not None)
     # 64x64 tiles of the large-M kernel: twice the CTAs of 64x128, for the middle of the M
     # range where too few tiles would leave SMs idle; only while they fit in one wave.
     tiles64 = cdiv(m, 64) * cdiv(n, 64)
@@ -418,8 +421,7 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
     # back; where 64x32 tiles fill only half the SMs (2112x7168) decode wins both ways.
     # (4096^2 at 17-32 tokens takes the 64x64 tiles above: the same time.)
     if (8 <= m <= SM90_DECODE_TILES[2] and 3 * num_sms <= 4 * cdiv(n, 32) <= 4 * num_sms
-            and decode_max == SM90_DECODE_MAX_M
-            and forced_rows is forced_splits is forced_ctas is None):
+            and not decode_knobs):
         return ("gemm", 8)
     few_rows = (SM90_DECODE_TILES[2] < m <= SM90_DECODE_TILES[3]
                 and 4 * cdiv(n, 16) < 3 * num_sms and forced_rows is None)
@@ -443,15 +445,6 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
         # (CTAs owning fewer rows than 64 / 128 run one an SM: csrc/sm90/decode_kernel.cuh)
         ctas = (_decode_ctas_per_sm(bt, cdiv(num_kb, splits), rows, forced_ctas)
                 if rows in (64, 128) else 1)
-        multi_wave = tiles > ctas * num_sms
-        tiles_instead = (
-            splits == 1 and decode_max == SM90_DECODE_MAX_M
-            and forced_rows is forced_splits is forced_ctas is None
-            and ((SM90_DECODE_TILES[1] < m <= SM90_DECODE_TILES[2]
-                  and (num_kb <= 12 or n * k >= SM90_TILES_OVER_DECODE_MIN_BYTES))
-                 or (2 <= m <= SM90_DECODE_TILES[2] and multi_wave)))
-        if not tiles_instead:
-            return ("decode", config, splits, ctas, rows)
         # 17-32 tokens where the decode grid needs no K split to fill the SMs (many weight
         # rows) and either each CTA streams a short K range (<= 12 blocks) or the weights are
         # large (>= 100 MB): the large-M tiles, as picked for 33-64 tokens below. After an
@@ -466,10 +459,18 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
         # back to back) and where the decode kernel splits K (2112x7168: 19-24% slower both
         # ways) decode stays.
         # From 2 tokens, the same where the decode grid takes more than one wave (the most
-        # rows: 28672x4096, 57344x8192): M = 2-16, results/2026-11-25_m1_16_decode_vs_tiles_h100.log,
-        # after an elementwise kernel block_fp8_gemm 1.04-1.07x / 1.03-1.04x, fp8_linear
-        # 1.02-1.05x / 1.02-1.04x; back to back 0.97-0.98x / 1.02x, fp8_linear 0.98-1.02x /
-        # 1.01-1.02x. (One-wave grids lose back to back by up to 19%: 32768x512, 24576x1536.)
+        # rows: 28672x4096, 57344x8192; M = 2-16,
+        # results/2026-11-25_m1_16_decode_vs_tiles_h100.log): after an elementwise kernel
+        # block_fp8_gemm 1.04-1.07x / 1.03-1.04x, fp8_linear 1.02-1.05x / 1.02-1.04x; back to
+        # back 0.97-0.98x / 1.02x, fp8_linear 0.98-1.02x / 1.01-1.02x. (One-wave grids lose
+        # back to back by up to 19%: 32768x512, 24576x1536.)
+        multi_wave = tiles > ctas * num_sms
+        tiles_instead = splits == 1 and not decode_knobs and (
+            (SM90_DECODE_TILES[1] < m <= SM90_DECODE_TILES[2]
+             and (num_kb <= 12 or n * k >= SM90_TILES_OVER_DECODE_MIN_BYTES))
+            or (2 <= m <= SM90_DECODE_TILES[2] and multi_wave))
+        if not tiles_instead:
+            return ("decode", config, splits, ctas, rows)
     # From 33 tokens the large-M kernel's 64-row tiles beat the decode kernel's 64-token
     # tiles nearly everywhere (H100, M=64, results/2026-11-23_midm_sweep_h100.log: 24576x1536
     # 16.8 vs 20.1 us, 32768x512 8.9 vs 11.2, 57344x8192 168 vs 177, 8192x28672 83.1 vs 86.9,

@@ -1,8 +1,8 @@
 """The Hopper backend: our sm_90a CUDA kernels (csrc/sm90), built on first use.
 
 Two kernels sit behind the backend protocol, chosen by heuristics.sm90_plan:
-- decode (M <= 32 by default, with exceptions from 17 tokens: heuristics.sm90_plan): swap-AB,
-  split-K; activation quantization fused into the launch up to M = 16 where each CTA's
+- decode (M <= 32 by default, less the sizes heuristics.sm90_plan gives the large-M tiles):
+  swap-AB, split-K; activation quantization fused into the launch up to M = 16 where each CTA's
   slice is small (heuristics.sm90_fuse_quant), else a separate quantization kernel first
   (it lets the GEMM start early under PDL);
 - large M: quantization kernel, then the persistent TMA/wgmma GEMM.
