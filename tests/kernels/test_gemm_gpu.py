@@ -510,11 +510,11 @@ def test_sm90_decode_ctas_per_sm(ctas, cluster, monkeypatch):
     monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CLUSTER", cluster)
     # (K <= 8192: longer K ranges per CTA keep one CTA an SM, see _decode_ctas_per_sm; and
     # 17-32 tokens over short K take 64x64 tiles of the large-M kernel)
+    # (CTAs owning fewer rows than 64 / 128 run one an SM)
     cases = [c for c in _sm90_only(gen_cases("sm90", count=400, seed=200))
              if c["m"] <= 32 and c["k"] <= 8192
-             and heuristics.sm90_plan(c["m"], c["n"], c["k"], 132)[0] == "decode"
-             # (CTAs owning fewer rows than 64 / 128 run one an SM)
-             and heuristics.sm90_plan(c["m"], c["n"], c["k"], 132)[4] in (64, 128)][:30]
+             and (plan := heuristics.sm90_plan(c["m"], c["n"], c["k"], 132))[0] == "decode"
+             and plan[4] in (64, 128)][:30]
     clustered = 0
     for case in cases:
         m, n, k = case["m"], case["n"], case["k"]
