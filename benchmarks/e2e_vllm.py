@@ -20,6 +20,10 @@ Engine configurations (stage `engines`; one fresh process each, time-boxed, run 
                          loading)                                      [--configs ...,online]
   fp8_deepgemm           the FP8 checkpoint, vLLM's "fp8" with DeepGEMM (its default; JIT-
                          compiles ~575 kernels at start, ~6 min: give it its own lease)
+  fp8_blockgemm_nopdl    fp8_blockgemm with FP8LINEAR_VLLM_PDL=0: Inductor's kernels without
+                         PDL (what the plugin turns on; matters with --compile vllm only)
+  fp8_cutlass_pdl,       vLLM's fp8 (CUTLASS / DeepGEMM) with TORCHINDUCTOR_ENABLE_PDL=1: the
+  fp8_deepgemm_pdl       same Inductor setting for the anchors (--compile vllm)
 Default: bf16,fp8_blockgemm,fp8_cutlass. The fp8linear kernels must be built beforehand
 (`python -m fp8linear.cli build`; e2e_device.sh does it), so engine start does not include it.
 
@@ -74,10 +78,19 @@ CONFIGS = {
     "fp8_cutlass": ("fp8", "fp8", {"VLLM_USE_DEEP_GEMM": "0"}),
     "fp8_blockgemm_online": ("bf16", "fp8_blockgemm", {}),
     "fp8_deepgemm": ("fp8", "fp8", {"VLLM_USE_DEEP_GEMM": "1"}),
+    # --compile vllm: the plugin turns on Inductor's PDL (integrations/vllm/compile_config.py);
+    # these measure it apart: ours with it off, and vLLM's fp8 with it on (torch's own switch)
+    "fp8_blockgemm_nopdl": ("fp8", "fp8_blockgemm", {"FP8LINEAR_VLLM_PDL": "0"}),
+    "fp8_cutlass_pdl": ("fp8", "fp8", {"VLLM_USE_DEEP_GEMM": "0",
+                                       "TORCHINDUCTOR_ENABLE_PDL": "1"}),
+    "fp8_deepgemm_pdl": ("fp8", "fp8", {"VLLM_USE_DEEP_GEMM": "1",
+                                        "TORCHINDUCTOR_ENABLE_PDL": "1"}),
 }
 DEFAULT_CONFIGS = "bf16,fp8_blockgemm,fp8_cutlass"
 ALIASES = {"online": "fp8_blockgemm_online", "deepgemm": "fp8_deepgemm",
-           "cutlass": "fp8_cutlass", "blockgemm": "fp8_blockgemm"}
+           "cutlass": "fp8_cutlass", "blockgemm": "fp8_blockgemm",
+           "nopdl": "fp8_blockgemm_nopdl", "cutlass_pdl": "fp8_cutlass_pdl",
+           "deepgemm_pdl": "fp8_deepgemm_pdl"}
 
 LLAMA8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                num_key_value_heads=8, head_dim=128, vocab_size=128256)
@@ -536,6 +549,17 @@ def compare_logprobs(results: dict) -> dict:
     return out
 
 
+def compare_pdl(results: dict) -> dict:
+    """fp8_blockgemm with and without Inductor's PDL run the same kernels on the same data:
+    their greedy tokens and log-probabilities must agree (a missed wait would show here)."""
+    a, b = results.get("fp8_blockgemm", {}), results.get("fp8_blockgemm_nopdl", {})
+    if "tf_logprobs" not in a or "tf_logprobs" not in b or a.get("tf_seq") != b.get("tf_seq"):
+        return {}
+    d = [abs(x - y) for x, y in zip(a["tf_logprobs"], b["tf_logprobs"])]
+    return {"greedy_tokens_equal": a.get("greedy_tokens") == b.get("greedy_tokens"),
+            "tf_abs_dlogprob_max": max(d) if d else None}
+
+
 def nvidia_smi() -> dict:
     try:
         q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,"
@@ -588,6 +612,8 @@ def table(doc: dict) -> str:
             lines.append(f"{'':<21}errors: {'; '.join(r['errors'])[:300]}")
     for k, v in doc.get("targets", {}).items():
         lines.append(f"target {k}: {v}")
+    if doc.get("pdl_vs_nopdl"):
+        lines.append(f"fp8_blockgemm Inductor PDL on vs off: {doc['pdl_vs_nopdl']}")
     if h.get("skipped"):
         lines.append(f"skipped: {h['skipped']}")
     return "\n".join(lines)
@@ -598,18 +624,26 @@ def targets(results: dict, batches) -> dict:
     out = {}
     ours = {d["batch"]: d["per_token_ms"] for d in results.get("fp8_blockgemm", {})
             .get("decode", []) if d.get("per_token_ms")}
-    fp8 = {}
-    for n in ("fp8_cutlass", "fp8_deepgemm"):
-        for d in results.get(n, {}).get("decode", []):
-            if d.get("per_token_ms"):
-                fp8[d["batch"]] = min(fp8.get(d["batch"], 1e9), d["per_token_ms"])
-    parts = []
-    for b in batches:
-        if b <= 64 and b in ours and b in fp8:
-            sp = fp8[b] / ours[b]
-            parts.append(f"b{b} {sp:.2f}x {'PASS' if sp >= 1.15 else 'FAIL'}")
-    if parts:
-        out["fp8_blockgemm vs best vLLM fp8 (need >= 1.15x)"] = ", ".join(parts)
+
+    def best(names):
+        fp8 = {}
+        for n in names:
+            for d in results.get(n, {}).get("decode", []):
+                if d.get("per_token_ms"):
+                    fp8[d["batch"]] = min(fp8.get(d["batch"], 1e9), d["per_token_ms"])
+        return fp8
+
+    for label, names in (("best vLLM fp8", ("fp8_cutlass", "fp8_deepgemm")),
+                         ("best vLLM fp8 with Inductor PDL too",
+                          ("fp8_cutlass_pdl", "fp8_deepgemm_pdl"))):
+        fp8 = best(names)
+        parts = []
+        for b in batches:
+            if b <= 64 and b in ours and b in fp8:
+                sp = fp8[b] / ours[b]
+                parts.append(f"b{b} {sp:.2f}x {'PASS' if sp >= 1.15 else 'FAIL'}")
+        if parts:
+            out[f"fp8_blockgemm vs {label} (need >= 1.15x)"] = ", ".join(parts)
     bf = {d["batch"]: d["per_token_ms"] for d in results.get("bf16", {}).get("decode", [])
           if d.get("per_token_ms")}
     parts = [f"b{b} {bf[b] / ours[b]:.2f}x" for b in batches if b in ours and b in bf]
@@ -628,7 +662,9 @@ def plot(doc: dict, png: str) -> None:
     import matplotlib.pyplot as plt
     style = {"bf16": ("tab:gray", "x"), "fp8_blockgemm": ("tab:red", "o"),
              "fp8_cutlass": ("tab:green", "v"), "fp8_deepgemm": ("tab:blue", "D"),
-             "fp8_blockgemm_online": ("tab:orange", "s")}
+             "fp8_blockgemm_online": ("tab:orange", "s"),
+             "fp8_blockgemm_nopdl": ("tab:pink", "o"), "fp8_cutlass_pdl": ("tab:olive", "v"),
+             "fp8_deepgemm_pdl": ("tab:cyan", "D")}
     h, res = doc["header"], doc["engines"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
     ax = axes[0]
@@ -707,12 +743,12 @@ def engines(args, models_rec) -> int:
 
     for name in args.config_list:
         left = deadline - time.time()
-        need = args.min_engine_s * (4 if name == "fp8_deepgemm" else 1)
+        need = args.min_engine_s * (4 if name.startswith("fp8_deepgemm") else 1)
         if left < need:
             h["skipped"].append(f"{name}: {left:.0f} s left < {need} s")
             log(f"{name}: skipped, {left:.0f} s left")
             continue
-        timeout = min(args.engine_timeout * (3 if name == "fp8_deepgemm" else 1), left)
+        timeout = min(args.engine_timeout * (3 if name.startswith("fp8_deepgemm") else 1), left)
         tf = doc["engines"].get("bf16", {}).get("greedy_tokens")
         log(f"{name}: starting (time box {timeout:.0f} s)")
         r = run_engine(name, args, work, timeout, tf)
@@ -741,6 +777,7 @@ def engines(args, models_rec) -> int:
             f"GiB, KV {r.get('kv_cache_tokens')} tokens, ms/token {per or '-'}, "
             f"{r['process_wall_s']} s" + (f"; errors: {r['errors']}" if r["errors"] else ""))
         doc["logprobs"] = compare_logprobs(doc["engines"])
+        doc["pdl_vs_nopdl"] = compare_pdl(doc["engines"])
         doc["targets"] = targets(doc["engines"], args.batch_list)
         save()
     rows = []

@@ -39,7 +39,7 @@ __all__ = [
     "BasevLLMParameter", "BlockQuantScaleParameter", "ChannelQuantScaleParameter",
     "ModelWeightParameter", "register_weight_loader_v2", "layer_split",
     "initialize_online_processing", "vllm_checkpoint_config", "unquantized_moe_method",
-    "online_block_fp8_moe_method",
+    "online_block_fp8_moe_method", "current_vllm_config",
 ]
 
 
@@ -109,3 +109,10 @@ def online_block_fp8_moe_method(layer):
     if "moe" in inspect.signature(cls.__init__).parameters:
         return cls(moe=layer.moe_config)       # 0.32
     return cls(layer=layer)                    # 0.24
+
+
+def current_vllm_config():
+    """The VllmConfig of the model being built (vLLM sets it around model construction), or
+    None outside that."""
+    from vllm.config import get_current_vllm_config_or_none
+    return get_current_vllm_config_or_none()

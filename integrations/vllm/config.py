@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import compat
+from . import compat, compile_config
 from .checkpoint_format import NAME, CheckpointFormat, parse_quantization_config
 from .layer_filter import matches_any
 from .linear_method import Fp8BlockGemmLinearMethod
@@ -86,6 +86,12 @@ class Fp8BlockGemmConfig(compat.QuantizationConfig):
                 "experts on vLLM's block-FP8 MoE kernels",
                 "bf16/fp16 checkpoint quantized to 128x128 block FP8 while loading"
                 if self.checkpoint is None else f"{self.checkpoint.method} block-FP8 checkpoint")
+            # (the model is being built: vLLM's compile backend does not exist yet)
+            if compile_config.enable_inductor_pdl(compat.current_vllm_config()):
+                compat.logger.info(
+                    "fp8_blockgemm: Inductor's kernels launch with PDL (%s), so each GEMM "
+                    "starts streaming its weights under the kernel before it (%s=0: off)",
+                    compile_config.KEY, compile_config.ENV)
         if isinstance(layer, compat.LinearBase):
             if not self.quantizes(prefix):
                 return compat.UnquantizedLinearMethod()

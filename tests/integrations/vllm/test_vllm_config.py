@@ -7,6 +7,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from conftest import MISSING
 
@@ -106,3 +107,46 @@ def test_ignored_layers_and_targets():
     assert ct.quantizes("model.layers.0.mlp.down_proj")
     assert not ct.quantizes("model.layers.0.self_attn.o_proj")
     assert Fp8BlockGemmConfig().quantizes("anything")     # online: every linear layer
+
+
+def test_inductor_pdl_turned_on_for_hopper_only(config_dir, monkeypatch):
+    """The plugin turns on Inductor's PDL (compile_config.py) while the model is built,
+    on Hopper only, never over the user's own setting, and not with FP8LINEAR_VLLM_PDL=0;
+    the compile cache's config hash changes with it."""
+    from vllm.config import set_current_vllm_config
+
+    from fp8linear_vllm import compile_config as cc
+
+    key = cc.KEY
+    monkeypatch.delenv(cc.ENV, raising=False)
+
+    def fresh():
+        return engine_config(config_dir(FP8), "fp8_blockgemm")
+
+    vc = fresh()
+    opts = vc.compilation_config.inductor_compile_config
+    assert key not in opts
+    assert not cc.hopper()                       # this CPU machine: nothing changes
+    assert cc.enable_inductor_pdl(vc) is False and key not in opts
+
+    monkeypatch.setattr(cc, "hopper", lambda: True)
+    if not cc.inductor_has_pdl():
+        pytest.skip("this torch's Inductor has no triton.enable_pdl")
+    before = vc.compilation_config.compute_hash()
+    # what vLLM does: the quant config's get_quant_method runs inside the model's construction,
+    # under the model's VllmConfig
+    with set_current_vllm_config(vc):
+        assert vc.quant_config.get_quant_method(torch.nn.Identity(), "model.norm") is None
+    assert opts[key] is True
+    assert vc.compilation_config.compute_hash() != before
+
+    vc = fresh()                                  # the user's explicit choice stays
+    vc.compilation_config.inductor_compile_config[key] = False
+    assert cc.enable_inductor_pdl(vc) is False
+    assert vc.compilation_config.inductor_compile_config[key] is False
+
+    vc = fresh()                                  # the plugin's off switch
+    monkeypatch.setenv(cc.ENV, "0")
+    assert cc.enable_inductor_pdl(vc) is False
+    assert key not in vc.compilation_config.inductor_compile_config
+    assert cc.enable_inductor_pdl(None) is False  # outside model construction

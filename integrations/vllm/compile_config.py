@@ -1,0 +1,53 @@
+"""What the plugin changes in vLLM's torch.compile settings: Inductor's Triton kernels launch
+with programmatic dependent launch (PDL) on Hopper.
+
+Why. In a compiled vLLM model (vLLM's default) every GEMM follows a kernel Inductor
+generated: the residual add + RMSNorm before qkv_proj and gate_up_proj, SiLU-and-mul before
+down_proj. Our sm90 kernels launch under PDL and start their weight stream before
+griddepcontrol.wait, but that overlaps the previous kernel only if that kernel lets its
+dependents launch early. Inductor's kernels do so with ``triton.enable_pdl`` (torch >= 2.9;
+off by default): each calls gdc_launch_dependents once its loads are issued and gdc_wait before
+it reads what the kernel before it wrote, so a GEMM's launch, prologue and first weight loads
+run under the norm or activation kernel instead of after it (what bench_gemm's ``elem`` and
+``b2b`` modes measure apart: ~3 us a decode GEMM on the H100), and the kernel after a GEMM is
+launched before the GEMM ends. Measured end to end in benchmarks/NOTES.md (session 14).
+
+``FP8LINEAR_VLLM_PDL=0`` leaves Inductor's setting alone; a value the user put in
+``compilation_config.inductor_compile_config`` is never overridden.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+KEY = "triton.enable_pdl"
+ENV = "FP8LINEAR_VLLM_PDL"
+
+
+def hopper() -> bool:
+    """Whether this process's GEMMs run our sm90 kernels (the ones that start early)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return False
+    return os.environ.get("FP8LINEAR_BACKEND") in (None, "", "sm90")
+
+
+def inductor_has_pdl() -> bool:
+    try:
+        from torch._inductor import config
+    except ImportError:  # a torch without Inductor
+        return False
+    return hasattr(config.triton, "enable_pdl")
+
+
+def enable_inductor_pdl(vllm_config) -> bool:
+    """Turn on ``triton.enable_pdl`` in ``vllm_config``'s Inductor options where it helps;
+    returns whether it did. Called while the model is built, before vLLM creates its compile
+    backend (which copies these options) and hashes the config for its compile cache."""
+    if vllm_config is None or os.environ.get(ENV, "1") == "0":
+        return False
+    options = vllm_config.compilation_config.inductor_compile_config
+    if KEY in options or not hopper() or not inductor_has_pdl():
+        return False
+    options[KEY] = True
+    return True
