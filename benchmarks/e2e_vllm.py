@@ -553,11 +553,43 @@ def compare_pdl(results: dict) -> dict:
     """fp8_blockgemm with and without Inductor's PDL run the same kernels on the same data:
     their greedy tokens and log-probabilities must agree (a missed wait would show here)."""
     a, b = results.get("fp8_blockgemm", {}), results.get("fp8_blockgemm_nopdl", {})
-    if "tf_logprobs" not in a or "tf_logprobs" not in b or a.get("tf_seq") != b.get("tf_seq"):
+    if "tf_logprobs" not in a or "tf_logprobs" not in b:
         return {}
-    d = [abs(x - y) for x, y in zip(a["tf_logprobs"], b["tf_logprobs"])]
+    # the shared prompt's part (without a bf16 engine each scores its own greedy tokens after it)
+    n = LP_PROMPT_LEN - 1
+    d = [abs(x - y) for x, y in zip(a["tf_logprobs"][:n], b["tf_logprobs"][:n])]
     return {"greedy_tokens_equal": a.get("greedy_tokens") == b.get("greedy_tokens"),
-            "tf_abs_dlogprob_max": max(d) if d else None}
+            "prompt_abs_dlogprob_max": max(d) if d else None}
+
+
+def merge(paths, out) -> int:
+    """--merge: one document from several runs' JSON (their headers listed under
+    header.merged_from)."""
+    docs = []
+    for path in paths:
+        with open(path) as f:
+            docs.append(json.load(f))
+    keys = ("model", "batches", "prompt_len", "out_len", "compile")
+    for d in docs[1:]:
+        diff = [k for k in keys if d["header"].get(k) != docs[0]["header"].get(k)]
+        if diff:
+            raise SystemExit(f"--merge: {diff} differ between {paths[0]} and the others")
+    doc = {"header": dict(docs[0]["header"]), "engines": {}}
+    doc["header"]["merged_from"] = [{"file": os.path.basename(p), "date": d["header"].get("date"),
+                                     "engines": list(d["engines"])} for p, d in zip(paths, docs)]
+    for d in docs:
+        doc["engines"].update(d["engines"])
+    batches = doc["header"]["batches"]
+    doc["logprobs"] = compare_logprobs(doc["engines"])
+    doc["pdl_vs_nopdl"] = compare_pdl(doc["engines"])
+    doc["targets"] = targets(doc["engines"], batches)
+    doc["rows"] = [row for d in docs for row in d.get("rows", [])
+                   if doc["engines"].get(row["config"]) is d["engines"].get(row["config"])]
+    with open(out, "w") as f:
+        json.dump(doc, f, indent=1)
+    plot(doc, os.path.splitext(out)[0] + ".png")
+    print(table(doc))
+    return 0
 
 
 def nvidia_smi() -> dict:
@@ -844,6 +876,11 @@ def parse_args(argv=None):
     p.add_argument("--out", help="JSON path or folder (PNG beside it)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--table", metavar="JSON", help="print the table of an earlier run and exit")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="merge the engines of earlier runs (same model and workloads, e.g. "
+                        "anchors run in later calls on the same machine) into --out, with "
+                        "targets, plot and table, and exit; a later run's engine of the same "
+                        "name replaces the earlier one")
     a = p.parse_args(argv)
     cl = a.configs.strip()
     if cl.startswith("+"):
@@ -881,6 +918,8 @@ def main(argv=None) -> int:
         with open(args.table) as f:
             print(table(json.load(f)))
         return 0
+    if args.merge:
+        return merge(args.merge, args.out)
     if args.shape == "tiny":
         MODEL = TINY
     if args.worker:
