@@ -21,6 +21,8 @@ import os
 
 import torch
 
+from fp8linear.kernels import heuristics
+
 KEY = "triton.enable_pdl"
 ENV = "FP8LINEAR_VLLM_PDL"
 
@@ -29,7 +31,7 @@ def hopper() -> bool:
     """Whether this process's GEMMs run our sm90 kernels (the ones that start early)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         return False
-    return os.environ.get("FP8LINEAR_BACKEND") in (None, "", "sm90")
+    return heuristics.forced_backend() in (None, "sm90")
 
 
 def inductor_has_pdl() -> bool:
