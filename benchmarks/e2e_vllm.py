@@ -33,7 +33,9 @@ full-model CUDA graph, prefill runs eagerly. This is what vLLM's default FULL_AN
 mode replays for uniform decode batches, minus Inductor's fusions (norms, activation, quant run
 as vLLM's custom CUDA ops instead, the same for every configuration), and it saves
 torch.compile's start-up per engine. --compile vllm uses vLLM's default (torch.compile,
-FULL_AND_PIECEWISE) with the same capture sizes.
+FULL_AND_PIECEWISE) with the same capture sizes: Inductor then generates the norm and
+activation kernels, which the plugin makes PDL-aware (fp8_blockgemm_nopdl measures that apart);
+the README's vLLM table (v11) is --compile vllm.
 
 Workloads per engine: greedy decode, prompt --prompt-len (128) random token ids,
 --out-len (128) output tokens, ignore_eos, prefix caching off; at each batch (1, 4, 16, 64;
