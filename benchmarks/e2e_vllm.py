@@ -553,7 +553,9 @@ def compare_logprobs(results: dict) -> dict:
 
 def compare_pdl(results: dict) -> dict:
     """fp8_blockgemm with and without Inductor's PDL run the same kernels on the same data:
-    their greedy tokens and log-probabilities must agree (a missed wait would show here)."""
+    their greedy tokens and prompt log-probabilities are compared (a missed wait would show
+    here; so do Inductor's compile-time choices, which can differ between engine processes:
+    NOTES, session 14)."""
     a, b = results.get("fp8_blockgemm", {}), results.get("fp8_blockgemm_nopdl", {})
     if "tf_logprobs" not in a or "tf_logprobs" not in b:
         return {}
@@ -562,6 +564,13 @@ def compare_pdl(results: dict) -> dict:
     d = [abs(x - y) for x, y in zip(a["tf_logprobs"][:n], b["tf_logprobs"][:n])]
     return {"greedy_tokens_equal": a.get("greedy_tokens") == b.get("greedy_tokens"),
             "prompt_abs_dlogprob_max": max(d) if d else None}
+
+
+def decode_rows(engines: dict) -> list:
+    """The JSON's flat rows: one per engine and decode batch."""
+    return [{"config": name, "batch": d["batch"], "per_token_ms": d["per_token_ms"],
+             "decode_tok_s": d["decode_tok_s"]}
+            for name, r in engines.items() for d in r.get("decode", []) if d.get("per_token_ms")]
 
 
 def merge(paths, out) -> int:
@@ -585,8 +594,7 @@ def merge(paths, out) -> int:
     doc["logprobs"] = compare_logprobs(doc["engines"])
     doc["pdl_vs_nopdl"] = compare_pdl(doc["engines"])
     doc["targets"] = targets(doc["engines"], batches)
-    doc["rows"] = [row for d in docs for row in d.get("rows", [])
-                   if doc["engines"].get(row["config"]) is d["engines"].get(row["config"])]
+    doc["rows"] = decode_rows(doc["engines"])
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)
     plot(doc, os.path.splitext(out)[0] + ".png")
@@ -814,16 +822,11 @@ def engines(args, models_rec) -> int:
         doc["pdl_vs_nopdl"] = compare_pdl(doc["engines"])
         doc["targets"] = targets(doc["engines"], args.batch_list)
         save()
-    rows = []
     for name, r in doc["engines"].items():
-        for d in r.get("decode", []):
-            if d.get("per_token_ms"):
-                rows.append({"config": name, "batch": d["batch"],
-                             "per_token_ms": d["per_token_ms"], "decode_tok_s": d["decode_tok_s"]})
         for k in ("tf_seq", "tf_top1"):          # bulky, and equal across engines
             if name != "bf16":
                 r.pop(k, None)
-    doc["rows"] = rows
+    doc["rows"] = decode_rows(doc["engines"])
     save()
     log(f"wrote {out}")
     if not args.no_plot:
@@ -884,6 +887,8 @@ def parse_args(argv=None):
                         "targets, plot and table, and exit; a later run's engine of the same "
                         "name replaces the earlier one")
     a = p.parse_args(argv)
+    if a.merge and not a.out:
+        p.error("--merge needs --out (the merged JSON; its PNG goes beside it)")
     cl = a.configs.strip()
     if cl.startswith("+"):
         cl = DEFAULT_CONFIGS + "," + cl[1:]

@@ -1,0 +1,61 @@
+"""CPU test of benchmarks/e2e_vllm.py's --merge (no vLLM needed): engines of several runs in
+one document with recomputed targets, the later run's engine of a name winning, and the
+refusals (runs of other workloads, no --out)."""
+import importlib.util
+import json
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def E():
+    spec = importlib.util.spec_from_file_location(
+        "e2e_vllm", os.path.join(ROOT, "benchmarks", "e2e_vllm.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(path, engines, **header):
+    h = {"model": {"layers": 32}, "batches": [1, 4], "prompt_len": 128, "out_len": 128,
+         "compile": "vllm", "date": "2026-11-25T00:00:00Z", "device": "H100", **header}
+    doc = {"header": h, "engines": {
+        name: {"decode": [{"batch": b, "per_token_ms": ms, "decode_tok_s": b * 1e3 / ms}
+                          for b, ms in zip(h["batches"], per)], "start_s": 30.0,
+               "weight_gib": 8.46}
+        for name, per in engines.items()}}
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_merge_combines_runs_and_recomputes_targets(E, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    a = _run(tmp_path / "a.json", {"fp8_blockgemm": [4.0, 4.0], "fp8_cutlass": [4.6, 5.6]})
+    b = _run(tmp_path / "b.json", {"fp8_deepgemm": [4.7, 4.2], "fp8_blockgemm": [3.8, 3.7]})
+    out = tmp_path / "m.json"
+    assert E.main(["--merge", a, b, "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert list(doc["engines"]) == ["fp8_blockgemm", "fp8_cutlass", "fp8_deepgemm"]
+    assert [d["per_token_ms"] for d in doc["engines"]["fp8_blockgemm"]["decode"]] == [3.8, 3.7]
+    assert sorted((r["config"], r["batch"], r["per_token_ms"]) for r in doc["rows"]) == [
+        ("fp8_blockgemm", 1, 3.8), ("fp8_blockgemm", 4, 3.7), ("fp8_cutlass", 1, 4.6),
+        ("fp8_cutlass", 4, 5.6), ("fp8_deepgemm", 1, 4.7), ("fp8_deepgemm", 4, 4.2)]
+    # best vLLM fp8: 4.6 (CUTLASS) at batch 1, 4.2 (DeepGEMM) at batch 4
+    assert doc["targets"]["fp8_blockgemm vs best vLLM fp8 (need >= 1.15x)"] == \
+        "b1 1.21x PASS, b4 1.14x FAIL"
+    assert [m["file"] for m in doc["header"]["merged_from"]] == ["a.json", "b.json"]
+    assert (tmp_path / "m.png").stat().st_size > 0
+    assert "fp8_deepgemm" in capsys.readouterr().out
+
+
+def test_merge_refuses_other_workloads_and_a_missing_out(E, tmp_path, capsys):
+    a = _run(tmp_path / "a.json", {"fp8_blockgemm": [4.0, 4.0]})
+    b = _run(tmp_path / "b.json", {"fp8_cutlass": [4.6, 5.6]}, compile="none")
+    with pytest.raises(SystemExit, match=r"--merge: \['compile'\] differ between"):
+        E.main(["--merge", a, b, "--out", str(tmp_path / "m.json")])
+    with pytest.raises(SystemExit):
+        E.main(["--merge", a, b])
+    assert "--merge needs --out" in capsys.readouterr().err
