@@ -39,10 +39,12 @@ The fp8 methods share the same fp8 weights (block scales not rounded to powers o
 sm90 DeepGEMM runs the same kernel for fp32 scales either way, and speed does not depend on
 the scale values).
 
---decode (issue 4): M in 1..256, each point timed twice: back to back ("b2b") and with an
-RMSNorm-sized elementwise kernel ([M, K] bf16 multiply) before every GEMM inside the graph
-("elem"); elem rows report the GEMM's share (graph time minus an elementwise-only graph, per
-launch) in `us`, with `us_gross` and `us_elem` beside it.
+--decode (issue 4): M in 1..256, each point timed back to back ("b2b") and with an
+RMSNorm-sized kernel before every GEMM inside the graph, by default an elementwise [M, K] bf16
+multiply ("elem"); --neighbours adds a Triton RMSNorm without PDL ("norm") and with PDL as
+torch Inductor generates it ("norm_pdl", benchmarks/neighbour.py). Those rows report the
+GEMM's share (graph time minus a neighbour-only graph, per launch) in `us`, with `us_gross`
+and `us_elem` beside it.
 
 JIT: DeepGEMM compiles one kernel per (N, K, tile config) with nvcc on first use, Triton one
 per specialisation. Before timing, worker processes warm every point in parallel (the JIT
@@ -115,6 +117,9 @@ def parse_args(argv=None):
     p.add_argument("--decode", action="store_true",
                    help="issue 4's decode mode: M 1..256, back to back and with an "
                         "elementwise kernel between GEMMs")
+    p.add_argument("--neighbours", default="elem",
+                   help="--decode: the kernels timed before each GEMM besides back to back, "
+                        "comma list of neighbour.KINDS (elem, norm, norm_pdl; default elem)")
     p.add_argument("--min-mb", type=float, default=420.0,
                    help="weight copies per method total more than this many MB (> L2)")
     p.add_argument("--out", default=None, help="JSON path (PNGs are written beside it)")
@@ -388,14 +393,23 @@ class MData:
         sbuf = torch.ones(kb, mp, dtype=torch.float32, device=DEV)
         sbuf[:, :m].copy_(self.as_.t())
         self.as_pm = sbuf.t()                   # [Mp, Kb], strides (1, Mp)
-        # the elementwise op of decode "elem" mode: an RMSNorm-sized [M, K] bf16 multiply
+        # the kernel before each GEMM in the decode modes other than b2b (neighbour.py): an
+        # RMSNorm-sized op on [M, K] bf16
         self.e_in = torch.randn(m, k, device=DEV, generator=g).to(torch.bfloat16)
         self.e_gamma = torch.randn(k, device=DEV, generator=g).to(torch.bfloat16)
         self.e_out = torch.empty_like(self.e_in)
+        self._neighbours = {}
+
+    def neighbour(self, kind):
+        """between(i) for C.capture_graph: the neighbour kernel `kind` (neighbour.KINDS)."""
+        if kind not in self._neighbours:
+            import neighbour
+            run = neighbour.make(kind, self.e_in, self.e_gamma, self.e_out)
+            self._neighbours[kind] = lambda i=0: run()
+        return self._neighbours[kind]
 
     def elem(self, i=0):
-        import torch
-        torch.mul(self.e_in, self.e_gamma, out=self.e_out)
+        self.neighbour("elem")(i)
 
 
 def reference(sd, md):
@@ -643,7 +657,7 @@ class Sweep:
                                 log(f"  WARNING {meth} {n}x{k} M={m}: rel_err {err:.3e}")
                         del out
                         graphs[meth] = C.capture_graph(
-                            launch, L, between=md.elem if mode == "elem" else None,
+                            launch, L, between=None if mode == "b2b" else md.neighbour(mode),
                             device=DEV)
                         launches[meth] = L
                         ex.update(launches=L, copies=copies)
@@ -657,10 +671,10 @@ class Sweep:
                     sync()
             if not graphs:
                 continue
-            if mode == "elem":
+            if mode != "b2b":
                 le = max(launches.values())
-                graphs["_elem"] = C.capture_graph(lambda i: None, le, between=md.elem,
-                                                  device=DEV)
+                graphs["_elem"] = C.capture_graph(lambda i: None, le,
+                                                  between=md.neighbour(mode), device=DEV)
                 launches["_elem"] = le
             times = C.time_graphs_interleaved(graphs, args.replays, args.warmup_replays)
             per = {g: [t / launches[g] for t in ts] for g, ts in times.items()}
@@ -672,7 +686,7 @@ class Sweep:
                 reps = self.samples.setdefault(key, [])
                 while len(reps) <= rep:
                     reps.append([])
-                if mode == "elem":
+                if mode != "b2b":
                     reps[rep].extend(t - elem_us for t in ts)
                     ex = self.extra.setdefault(key, {})
                     ex.setdefault("us_gross_samples", []).extend(ts)
@@ -705,7 +719,7 @@ class Sweep:
                    "fp8_floor_us": C.fp8_weight_bytes(n, k) / (bw * 1e3)}
             ur = row["us_reps"]
             row["rep_spread"] = (max(ur) / min(ur) - 1.0) if len(ur) > 1 else None
-            if mode == "elem":
+            if mode != "b2b":
                 row["us_gross"] = C.median(ex.pop("us_gross_samples", []))
                 row["us_elem"] = C.median(ex.pop("us_elem_samples", []))
             row.update(ex)
@@ -763,7 +777,15 @@ def main(argv=None) -> int:
     methods = C.parse_methods(args.methods)
     shapes = C.parse_shapes(args.shapes or ("quick" if args.quick else "all"))
     ms = C.parse_ms(args.m or ("decode" if args.decode else ("quick" if args.quick else "all")))
-    modes = ["b2b", "elem"] if args.decode else ["b2b"]
+    modes = ["b2b"]
+    if args.decode:
+        import neighbour
+        for kind in filter(None, args.neighbours.split(",")):
+            if kind not in neighbour.KINDS:
+                print(f"bench_gemm: --neighbours {kind!r}: expected one of "
+                      f"{', '.join(neighbour.KINDS)}", file=sys.stderr)
+                return 2
+            modes.append(kind)
     out = args.out or default_out(args, torch)
     header = device_header(torch)
     header.update(methods_requested=methods, shapes=shapes, ms=ms, modes=modes,
@@ -772,7 +794,12 @@ def main(argv=None) -> int:
                   timing="CUDA graph of L launches cycling R weight copies (> min_copy_mb); "
                          "us = median over all repeats of replay time / L; methods "
                          "interleaved replay by replay",
-                  elem_op="[M, K] bf16 elementwise multiply (torch.mul) before each GEMM")
+                  elem_op="[M, K] bf16 elementwise multiply (torch.mul) before each GEMM",
+                  neighbour_ops={"elem": "torch.mul of [M, K] bf16 by [K], no PDL",
+                                 "norm": "Triton RMSNorm of [M, K] bf16, no PDL",
+                                 "norm_pdl": "the same launched with PDL, gdc_wait before "
+                                             "its loads, gdc_launch_dependents after them "
+                                             "(as Inductor's triton.enable_pdl)"})
     log(f"{header['device']} torch {torch.__version__} cuda {torch.version.cuda}")
     log(f"shapes {shapes}\n  M {ms}\n  methods {methods} modes {modes}")
 

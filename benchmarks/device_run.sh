@@ -12,6 +12,8 @@
 #   racecheck compute-sanitizer racecheck on sanitize_gemm.py --quick (not by default)
 #                                                                               RACE_TIMEOUT=300
 #   bench     python benchmarks/bench_gemm.py --out $OUT/bench.json "$@"       BENCH_TIMEOUT=540
+#   script    bash $SCRIPT (a dev sweep, e.g. scripts/dev_neighbour_sweep.sh) with this
+#             environment; it writes its logs under $OUT                       SCRIPT_TIMEOUT=540
 # Each step runs under `timeout`, capped by what is left of DEADLINE (default 560 s from the
 # start; the device allows 600 s a command) minus RESERVE (25 s) for collecting the outputs;
 # a step that would start with < 15 s left is skipped. The bench gets --budget-s (time left
@@ -166,6 +168,12 @@ if want bench; then
   [ "$B" -lt 30 ] && B=30
   step bench "${BENCH_TIMEOUT:-540}" "$PY" benchmarks/bench_gemm.py --out "$OUT/bench.json" \
     --budget-s "$B" "$@"
+fi
+
+if want script; then
+  [ -f "${SCRIPT:-}" ] || { say "script step: SCRIPT=${SCRIPT:-} is not a file"; exit 2; }
+  export OUT
+  step script "${SCRIPT_TIMEOUT:-540}" bash "$SCRIPT"
 fi
 
 # ------------------------------------------------------------------------------ collect

@@ -4,7 +4,8 @@ A variant is a set of FP8LINEAR_* environment overrides (e.g. a forced large-M t
 or the decode kernel's CTAs per SM). For each (N, K, M) and variant: the relative error
 against the fp32 reference of the dequantized inputs (and a NaN-poisoned output), then the
 time of every variant and DeepGEMM (CUDA graphs, weights rotated past L2, interleaved
-replays; --elem puts an RMSNorm-sized elementwise kernel between GEMMs and subtracts it).
+replays; --elem puts an RMSNorm-sized elementwise kernel between GEMMs and subtracts it,
+--between norm_pdl a Triton RMSNorm launched with PDL as torch Inductor's).
 Prints one row per point: µs per variant, DeepGEMM's, the fastest variant, vs DeepGEMM.
 
     python scripts/dev_variants.py --configs 0,2,3            # large-M tile configs
@@ -105,12 +106,16 @@ def main() -> int:
     p.add_argument("--variants", default=None, help="name:ENV=V,ENV=V;name:...")
     p.add_argument("--linear", action="store_true", help="time fp8_linear (bf16 in)")
     p.add_argument("--elem", action="store_true", help="elementwise kernel between GEMMs")
+    p.add_argument("--between", default=None,
+                   help="the kernel between GEMMs: one of benchmarks/neighbour.py's KINDS "
+                        "(elem = --elem, norm, norm_pdl: a Triton RMSNorm without / with PDL)")
     p.add_argument("--no-dg", action="store_true")
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--json", default=None)
     args = p.parse_args()
     os.environ["FP8LINEAR_BACKEND"] = "sm90"
     variants = parse_variants(args)
+    kind = args.between or ("elem" if args.elem else None)
     shapes = C.parse_shapes(args.shapes)
     ms = [int(v) for v in args.m.split(",")]
     libs = B.Libs(["fp8linear"] + ([] if args.no_dg else ["deepgemm"]), probe_cublas=False)
@@ -127,7 +132,7 @@ def main() -> int:
             md = B.MData(sd, m, libs, seed=m)
             ref = B.reference(sd, md)
             L = max(2, C.launches_for(copies, C.est_us(m, n, k)))
-            between = md.elem if args.elem else None
+            between = md.neighbour(kind) if kind else None
             graphs, errs = {}, {}
             for name in names:
                 old = with_env(variants[name])
@@ -150,7 +155,7 @@ def main() -> int:
             if libs.dg is not None and n % 64 == 0 and k % 128 == 0:
                 graphs["DG"] = C.capture_graph(B.make_launch("deepgemm", sd, md, libs), L,
                                                between=between)
-            if args.elem:
+            if kind:
                 graphs["_elem"] = C.capture_graph(lambda i: None, L, between=between)
             times = C.time_graphs_interleaved(graphs, args.replays)
             us = {g: C.median(t) / L for g, t in times.items()}

@@ -423,8 +423,16 @@ def precompile(verbose: bool = True, arch: str = ARCH) -> Path:
     if torch.version.cuda is None:
         raise BuildError(f"fp8linear: torch {torch.__version__} is a CPU-only build; the CUDA "
                          f"kernels need a CUDA build of torch")
-    require_toolchain()
     key = current_key(arch)
+    if arch == ARCH and _load_prebuilt(key) is not None:
+        # what load() will use: nothing to compile (a fresh GPU machine carrying a build made
+        # elsewhere, e.g. by scripts/prebuild_device_ext.sh)
+        so = _built(Path(os.environ["FP8LINEAR_PREBUILT"]).expanduser().resolve() / key, key)
+        if verbose:
+            print(f"fp8linear: key {key}\nfp8linear: FP8LINEAR_PREBUILT has it: {so}",
+                  flush=True)
+        return so
+    require_toolchain()
     root = cache_root()
     if verbose:
         print(f"fp8linear: key {key}\nfp8linear: cache {root / key}", flush=True)

@@ -200,6 +200,22 @@ def test_prebuilt_dir_loads_without_compiling(env, tmp_path, monkeypatch):
 
 
 @needs_cc
+def test_precompile_uses_the_prebuilt_build(env, tmp_path, monkeypatch, capsys):
+    # `fp8linear build` on a machine carrying FP8LINEAR_PREBUILT: nothing to compile (and no
+    # toolkit needed), it names the prebuilt extension that load() will import
+    monkeypatch.setattr(torch.version, "cuda", torch.version.cuda or "13.0")  # (CPU torch)
+    key = build.current_key()
+    monkeypatch.setattr(build, "_compile", lambda s, d, a, lg, v: compile_standin(d, 5))
+    so = build.build(key, tmp_path / "prebuilt", arch=build.ARCH)
+    monkeypatch.setattr(build, "_compile", _no_compile)
+    monkeypatch.setattr(build, "find_cuda_home", lambda: None)
+    monkeypatch.setenv("FP8LINEAR_PREBUILT", str(tmp_path / "prebuilt"))
+    assert build.precompile() == so
+    assert "FP8LINEAR_PREBUILT has it" in capsys.readouterr().out
+    assert not (tmp_path / "cache").exists()
+
+
+@needs_cc
 def test_prebuilt_for_another_key_warns_and_compiles(env, tmp_path, monkeypatch):
     (tmp_path / "prebuilt" / "sm_90a-some-other-key").mkdir(parents=True)
     monkeypatch.setenv("FP8LINEAR_PREBUILT", str(tmp_path / "prebuilt"))

@@ -1,0 +1,66 @@
+"""The kernel a benchmark puts before each GEMM, standing in for a model's norm or activation.
+
+Three kinds (decode benchmarks time a GEMM after each, as in a model step):
+- "elem": torch.mul of an [M, K] bf16 tensor by a [K] vector (an RMSNorm-sized elementwise
+  kernel, launched without PDL: what a vLLM CUDA kernel or an eager torch op looks like);
+- "norm": an RMSNorm written in Triton, launched without PDL;
+- "norm_pdl": the same kernel launched with PDL, waiting (griddepcontrol.wait) before its
+  first load and releasing its dependents (griddepcontrol.launch_dependents) after its last
+  load, where torch Inductor puts them with `triton.enable_pdl` (torch/_inductor/codegen/
+  triton.py: _handle_pdl_before_access / _handle_pdl_after_load). That is the kernel before
+  qkv_proj, gate_up_proj and down_proj in vLLM under torch.compile once our plugin turns the
+  option on; a GEMM launched under PDL then runs its prologue and first weight loads while
+  the norm finishes.
+"""
+from __future__ import annotations
+
+KINDS = ("elem", "norm", "norm_pdl")
+
+_kernel = None
+
+
+def _rmsnorm_kernel():
+    global _kernel
+    if _kernel is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def rmsnorm(x_ptr, g_ptr, o_ptr, n_cols, eps, BLOCK: tl.constexpr,
+                    USE_GDC: tl.constexpr):
+            row = tl.program_id(0)
+            cols = tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            if USE_GDC:
+                tl.extra.cuda.gdc_wait()
+            x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            if USE_GDC:
+                tl.extra.cuda.gdc_launch_dependents()
+            r = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+            tl.store(o_ptr + row * n_cols + cols, (x * r * g).to(o_ptr.dtype.element_ty),
+                     mask=mask)
+
+        _kernel = rmsnorm
+    return _kernel
+
+
+def make(kind: str, x, gamma, out):
+    """A no-argument callable that runs the neighbour kernel `kind` on x [M, K] (bf16) with
+    gamma [K], writing out [M, K]."""
+    if kind not in KINDS:
+        raise ValueError(f"neighbour kind {kind!r}: expected one of {', '.join(KINDS)}")
+    if kind == "elem":
+        import torch
+        return lambda: torch.mul(x, gamma, out=out)
+    import triton
+    kernel = _rmsnorm_kernel()
+    m, k = x.shape
+    block = triton.next_power_of_2(k)
+    pdl = kind == "norm_pdl"
+    warps = 8 if block >= 4096 else 4
+
+    def run():
+        kernel[(m,)](x, gamma, out, k, 1e-6, BLOCK=block, USE_GDC=pdl, num_warps=warps,
+                     launch_pdl=pdl)
+    return run

@@ -1,0 +1,53 @@
+"""benchmarks/bench_gemm.py on the CPU (--cpu-dry-run: the plumbing with the torch reference
+backend) and benchmarks/neighbour.py's argument checks."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+if BENCH not in sys.path:
+    sys.path.insert(0, BENCH)
+
+import bench_gemm  # noqa: E402
+import neighbour  # noqa: E402
+
+
+def test_decode_dry_run_times_each_neighbour_mode(tmp_path):
+    out = tmp_path / "b.json"
+    rc = bench_gemm.main(["--cpu-dry-run", "--decode", "--shapes", "256x384", "--m", "1,3",
+                          "--methods", "fp8linear", "--repeats", "1", "--replays", "2",
+                          "--neighbours", "elem", "--min-mb", "1", "--out", str(out),
+                          "--no-plot"])
+    assert rc == 0
+    d = json.loads(out.read_text())
+    rows = d["rows"]
+    assert {(r["mode"], r["M"]) for r in rows} == {(md, m) for md in ("b2b", "elem")
+                                                   for m in (1, 3)}
+    assert d["header"]["modes"] == ["b2b", "elem"]
+    for r in rows:
+        assert r["rel_err"] <= 2e-3 if r["mode"] == "b2b" else True
+        assert r["us"] > 0 and r["N"] == 256 and r["K"] == 384
+        if r["mode"] == "elem":  # the GEMM's share: gross time minus the neighbour's
+            assert r["us_gross"] > 0 and r["us_elem"] > 0
+
+
+def test_unknown_neighbour_is_refused(tmp_path, capsys):
+    rc = bench_gemm.main(["--cpu-dry-run", "--decode", "--shapes", "256x384", "--m", "1",
+                          "--neighbours", "rmsnorm", "--out", str(tmp_path / "b.json")])
+    assert rc == 2
+    assert "expected one of elem, norm, norm_pdl" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="neighbour kind 'bogus'"):
+        neighbour.make("bogus", None, None, None)
+
+
+def test_elem_neighbour_multiplies():
+    x = torch.randn(3, 256).bfloat16()
+    g = torch.randn(256).bfloat16()
+    o = torch.full_like(x, float("nan"))
+    neighbour.make("elem", x, g, o)()
+    assert torch.equal(o, x * g)
