@@ -166,7 +166,7 @@ def main(argv=None) -> int:
         for path in make_plots(rows, headers[0] if headers else {}, prefix):
             print(f"wrote {path}")
     if a.table:
-        for mode in ("b2b", "elem"):
+        for mode in dict.fromkeys(r.get("mode", "b2b") for r in rows):  # (in row order)
             t = C.format_rows(rows, mode=mode)
             if t:
                 print(t)

@@ -3,7 +3,7 @@
 # fp8_linear at decode sizes depending on the kernel before the GEMM, the three kinds of
 # benchmarks/neighbour.py. First a check that the PDL norm kernel computes an RMSNorm.
 #   STEPS=env,build,script SCRIPT=scripts/dev_neighbour_sweep.sh bash benchmarks/device_run.sh
-# Knobs: SHAPES, MS, BETWEEN (comma list of neighbour kinds), VARIANTS, CONFIGS, REPLAYS,
+# Knobs: SHAPES, MS, BETWEEN (comma list of neighbour kinds; b2b: none), VARIANTS, CONFIGS, REPLAYS,
 # LINEAR (1: fp8_linear from bf16, 0: block_fp8_gemm), DG (1: DeepGEMM too).
 set -uo pipefail
 OUT=${OUT:-/tmp/fp8linear-out}
@@ -33,9 +33,10 @@ PY
 for kind in ${BETWEEN//,/ }; do
   for lin in ${LINEAR:-1}; do
     name=$kind$([ "$lin" = 1 ] && echo _linear)
-    echo "## $name: dev_variants --shapes $SHAPES --m $MS --between $kind" \
+    echo "## $name: dev_variants --shapes $SHAPES --m $MS --between $kind (b2b: none)" \
          "$([ "$lin" = 1 ] && echo --linear) --variants $VARIANTS --configs $CONFIGS"
-    python3 scripts/dev_variants.py --shapes "$SHAPES" --m "$MS" --between "$kind" \
+    python3 scripts/dev_variants.py --shapes "$SHAPES" --m "$MS" \
+      $([ "$kind" = b2b ] || echo --between "$kind") \
       $([ "$lin" = 1 ] && echo --linear) $([ "${DG:-0}" = 1 ] || echo --no-dg) \
       --replays "$REPLAYS" --variants "$VARIANTS" --configs "$CONFIGS" \
       --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"

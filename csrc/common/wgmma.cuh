@@ -73,6 +73,18 @@ struct WgmmaFp8<32> {
   }
 };
 template <>
+struct WgmmaFp8<48> {
+  static constexpr int kRegs = 24;
+  __device__ __forceinline__ static void mma(float* d, uint64_t da, uint64_t db, bool accumulate) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %26, 0;\n"
+        " wgmma.mma_async.sync.aligned.m64n48k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, %24, %25, p, 1, 1;\n}"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+        : "l"(da), "l"(db), "r"(int(accumulate)));
+  }
+};
+template <>
 struct WgmmaFp8<64> {
   static constexpr int kRegs = 32;
   __device__ __forceinline__ static void mma(float* d, uint64_t da, uint64_t db, bool accumulate) {

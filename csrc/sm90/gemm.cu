@@ -20,7 +20,8 @@ constexpr Config kConfigs[] = {{128, 128, 5, 1, false}, {64, 128, 8, 1, false},
                                {256, 128, 3, 1, false}, {256, 128, 3, 2, true},
                                {64, 64, 12, 1, false},   {128, 64, 8, 1, false},
                                {64, 32, 16, 1, false},   {64, 16, 16, 1, false},
-                               {128, 96, 6, 1, false},   {128, 160, 5, 2, false}};
+                               {128, 96, 6, 1, false},   {128, 160, 5, 2, false},
+                               {64, 48, 15, 1, false}};
 
 // A launch of `grid` CTAs in clusters of `cluster` along x (1: a plain launch, no cluster
 // attribute); `attr` (room for one more) must outlive the config.
@@ -89,8 +90,8 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   const auto out_type = g.out_dtype == kOutBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                                 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   // output boxes as the kernel lays them out (GemmSmem::kBoxCols): 64 columns 128B-swizzled,
-  // 32 columns 64B-swizzled, narrow tiles one unswizzled box of BN columns
-  const auto out_swizzle = BN <= 32 ? CU_TENSOR_MAP_SWIZZLE_NONE
+  // 32 columns 64B-swizzled, narrow tiles (BN <= 32, 48) one unswizzled box of BN columns
+  const auto out_swizzle = L::kOneBox ? CU_TENSOR_MAP_SWIZZLE_NONE
                            : L::kBoxCols == 32 ? CU_TENSOR_MAP_SWIZZLE_64B : sw128;
   if (!(e = make_tensor_map_2d(&tc, g.out, out_type, 2, g.M, g.N, g.N, 64, L::kBoxCols,
                                out_swizzle)).empty())

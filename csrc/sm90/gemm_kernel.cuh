@@ -78,8 +78,9 @@ struct GemmSmem {
   static constexpr int kOutBytes = BM * BN * 2;  // 16-bit outputs
   // Output boxes (the kernel's smem layout and the host's tensor map must agree): 64 columns
   // with the 128-byte swizzle, or (BN = 96 / 160) 32 columns with the 64-byte swizzle, or one
-  // unswizzled box for BN <= 32.
-  static constexpr int kBoxCols = BN <= 32 ? BN : BN % 64 == 0 ? 64 : 32;
+  // unswizzled box for BN <= 32 and BN = 48 (96-byte rows).
+  static constexpr bool kOneBox = BN <= 32 || BN == 48;
+  static constexpr int kBoxCols = kOneBox ? BN : BN % 64 == 0 ? 64 : 32;
   static constexpr int kA = 0;
   static constexpr int kB = kA + STAGES * kABytes;
   static constexpr int kOut = kB + STAGES * kBBytes;
@@ -127,23 +128,23 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
   using L = GemmSmem<BM, BN, STAGES>;
   constexpr int kMathWG = L::kMathWG;
   constexpr int kWaves = L::kWaves;
-  static_assert((BN % 32 == 0 && BN <= 192) || BN == 16,
-                "BN: 64- or 32-column store boxes (<= 96 regs), or one narrow box of 16");
+  static_assert((BN % 32 == 0 && BN <= 192) || BN == 16 || (BN == 48 && BM == 64),
+                "BN: 64- or 32-column store boxes (<= 96 regs), or one narrow box of 16 / 48");
   static_assert(BM == 64 || BM == 128 || (BM == 256 && BN == 128),
                 "one or two math warpgroups; two waves only with 64 registers a partial");
   static_assert(CLUSTER == 1 || CLUSTER == 2, "pairs of CTAs at most");
   static_assert(CLUSTER == 2 || !kShareA, "sharing A needs a pair");
   // 128x128 weight-scale blocks: a BN-column tile lies in one block when BN divides 128,
-  // else (BN = 96, 160, 192) it can straddle two; the boundary falls on a 32-column multiple
-  // (64 for BN = 192).
+  // else (BN = 48, 96, 160, 192) it can straddle two; the boundary falls on a 32-column
+  // multiple (64 for BN = 192; 16 or 32 for BN = 48).
   constexpr bool kTwoBlocks = !kPerRowB && (128 % BN != 0);
-  // BN = 96 / 160: the boundary is a constant of the tile's K loop (one loop per case, picked
+  // BN = 48 / 96 / 160: the boundary is a constant of the tile's K loop (one loop per case, picked
   // at the tile's start, as DeepGEMM does): a run-time select per 8 columns cost those tiles
   // 10-15% (session 9). BN = 192 selects once per K block (two cases, below).
   constexpr bool kStaticBoundary = kTwoBlocks && BN != 192;
   constexpr int kBoxCols = L::kBoxCols;
   // Who frees a stage: every math lane (it read the stage's B scales itself, and its own
-  // arrival orders that read before the refill) for per-row scales and for the BN = 96 / 160
+  // arrival orders that read before the refill) for per-row scales and for the BN = 48 / 96 / 160
   // tiles (with one arrival per warp after __syncwarp, compute-sanitizer's racecheck flagged
   // the B-scale warp's next write of the slot for those two in its default mode), else lane
   // 0 of each warp after __syncwarp.
@@ -546,7 +547,13 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
           for (int kb = 0; kb < p.num_kb; ++kb) step_waves(bnd);
         }
       };
-      if constexpr (kStaticBoundary) {
+      if constexpr (kStaticBoundary && BN == 48) {
+        // BN = 48 tiles (starting at multiples of 48): the boundary is 16, 32 or >= 48 (every
+        // column in the first block)
+        if (boundary == 16) k_loop(16);
+        else if (boundary == 32) k_loop(32);
+        else k_loop(128);
+      } else if constexpr (kStaticBoundary) {
         // BN = 96 / 160 tiles: the boundary is 32, 64, 96 or >= 128 (every column in the first
         // block); each call inlines the loop with its literal, so the promotion's per-column
         // scale choice folds away. (Generic lambdas crash nvcc 13.0's front end here.)
@@ -577,7 +584,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
           }
           // box = kBoxCols columns x 64 rows. 64 columns (128 B rows): the 16-byte chunk index
           // XOR (row % 8) is the 128-byte swizzle; 32 columns (64 B rows): chunk XOR ((row / 2)
-          // % 4), the 64-byte swizzle. Narrow tiles (BN = 16/32): one unswizzled box.
+          // % 4), the 64-byte swizzle. Narrow tiles (BN = 16/32/48): one unswizzled box.
           uint8_t* box = my_out + (c / kBoxCols) * 64 * kBoxCols * 2;
           const int chunk = (c % kBoxCols) / 8;
 #pragma unroll
@@ -585,7 +592,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
             const int r = row_in_wg + 8 * h;
             const uint32_t v = OutTraits<OutT>::pack(acc[w][4 * j + 2 * h] + b0,
                                                      acc[w][4 * j + 2 * h + 1] + b1);
-            if constexpr (BN <= 32)
+            if constexpr (L::kOneBox)
               *reinterpret_cast<uint32_t*>(box + r * BN * 2 + c * 2) = v;
             else if constexpr (kBoxCols == 32)
               *reinterpret_cast<uint32_t*>(box + r * 64 + ((chunk ^ ((r >> 1) & 3)) * 16) +

@@ -307,7 +307,8 @@ def sm90_fuse_quant(m: int, k: int, plan) -> bool:
 SM90_GEMM_CONFIGS = ((128, 128, 5, 1, False), (64, 128, 8, 1, False), (128, 128, 5, 2, False),
                      (128, 192, 4, 1, False), (256, 128, 3, 1, False), (256, 128, 3, 2, True),
                      (64, 64, 12, 1, False), (128, 64, 8, 1, False), (64, 32, 16, 1, False),
-                     (64, 16, 16, 1, False), (128, 96, 6, 1, False), (128, 160, 5, 2, False))
+                     (64, 16, 16, 1, False), (128, 96, 6, 1, False), (128, 160, 5, 2, False),
+                     (64, 48, 15, 1, False))
 _FORCE_GEMM = "FP8LINEAR_SM90_GEMM_CONFIG"
 
 
@@ -335,6 +336,20 @@ def _waves_x_area(m: int, n: int, num_sms: int, cfg) -> float:
     tiles = cdiv(m, bm) * cdiv(n, bn)
     return (cdiv(tiles, num_sms // cluster * cluster) * bm * bn
             * _TILE_COST.get((bm, bn), 1.0))
+
+
+def _one_wave_of_64x48(m: int, n: int, num_sms: int) -> bool:
+    # 17-64 tokens where one wave of 64x48 tiles fills >= 90% of the SMs (N = 5.7K-6.3K rows,
+    # e.g. Llama 8B's qkv_proj, 6144): those, DeepGEMM's tile there, instead of 64x64 ones,
+    # whose 96 tiles leave a quarter of the SMs idle. H100, 6144x4096 at M = 17-64,
+    # results/2026-11-25_gemm_64x48_h100.log, 64x48 vs 64x64, block_fp8_gemm back to back /
+    # after an elementwise kernel / after a PDL-aware norm: 10.6 vs 11.1-11.3 us / 12.1 vs
+    # 12.8-13.0 / 10.9-11.0 vs 11.3-11.7; fp8_linear 12.3-12.4 vs 12.1-12.3 (2% slower) /
+    # 13.2-13.3 vs 13.8-14.1 / 12.1 vs 12.3-12.6. Where they fill less (5120 rows: 107
+    # tiles) 64x64 wins after an elementwise or PDL-aware kernel (2-3%) though not back to
+    # back, so not there.
+    tiles = cdiv(m, 64) * cdiv(n, 48)
+    return m <= 64 and 10 * tiles >= 9 * num_sms and tiles <= num_sms
 
 
 def forced_gemm_config() -> int | None:
@@ -399,7 +414,7 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
         # 9.3 vs 10.0 us, 7168x2048 8.0 vs 8.6, 6144x4096 12.1 vs 13.9); with more K blocks
         # decode stays ahead (its time first: 2112x7168 10.2 vs 14.2, 8192^2 25.1 vs 26.6)
         # except on 4096x7168 (16.1 vs 14.8).
-        return ("gemm", 6)
+        return ("gemm", 12 if _one_wave_of_64x48(m, n, num_sms) else 6)
     # Few weight rows (DeepSeek-V3's 1536x7168, 576x7168) at 33-64 tokens also take the
     # decode kernel: the large-M kernel's narrowest tiles (64x16) there leave over a quarter
     # of the SMs idle and each re-reads the whole activation, where the decode kernel's K
@@ -497,6 +512,8 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
             for config, bn in ((9, 16), (8, 32)):
                 if cdiv(m, 64) * cdiv(n, bn) <= num_sms:
                     return ("gemm", config)
+        if m <= 64 and _one_wave_of_64x48(m, n, num_sms):
+            return ("gemm", 12)
         if tiles64 <= num_sms:
             return ("gemm", 6)
         # ... and where 64x64 tiles would take two waves, one wave of 128x64 ones before

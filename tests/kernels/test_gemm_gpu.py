@@ -410,9 +410,10 @@ def test_sm90_every_gemm_config(config, monkeypatch):
 @pytest.mark.parametrize("per_row", [False, True])
 @pytest.mark.parametrize("out", ["bf16", "fp16"])
 def test_sm90_tiles_straddling_scale_blocks(config, per_row, out, monkeypatch):
-    """128x96 / 128x160 tiles straddle 128-row weight-scale blocks at every 32-column offset:
-    each tile's K loop is specialised for its boundary (32, 64, 96 or none), and the output
-    goes out in 64B-swizzled 32-column boxes. N spans more than four tiles (every boundary
+    """128x96 / 128x160 tiles straddle 128-row weight-scale blocks at every 32-column offset,
+    64x48 tiles at 16 and 32: each tile's K loop is specialised for its boundary (16, 32, 64,
+    96 or none), and the output goes out in 64B-swizzled 32-column boxes (one unswizzled
+    48-column box). N spans more than four tiles (every boundary
     case), is a multiple of neither the tile nor 128 and gives an odd tile count (a pair's
     second CTA then lies past N); K has a partial last block."""
     _select("sm90", monkeypatch)

@@ -116,6 +116,21 @@ def test_narrow_tiles_over_split_decode_at_8_32_tokens(m, n, k, plan):
     assert h.sm90_plan(m, n, k, SMS, after_quant=True) == plan
 
 
+@pytest.mark.parametrize("m,n,k,plan", [
+    (17, 6144, 4096, ("gemm", 12)),    # one wave of 128 64x48 tiles (64x64: 96, a quarter idle)
+    (32, 6144, 4096, ("gemm", 12)),
+    (64, 6144, 4096, ("gemm", 12)),
+    (48, 5888, 4096, ("gemm", 12)),    # 123 tiles: >= 90% of the SMs
+    (48, 5120, 4096, ("gemm", 6)),     # 107 tiles of 64x48 fill too few: 64x64
+    (65, 6144, 4096, ("gemm", 7)),     # two M blocks: 256 tiles of 64x48, over a wave
+    (16, 6144, 4096, ("decode", 1, 1, 1, 64)),    # up to 16 tokens decode stays
+    (48, 6400, 4096, ("gemm", 6)),     # 134 tiles of 64x48: over one wave
+])
+def test_64x48_tiles_where_one_wave_fills_the_sms(m, n, k, plan):
+    assert h.sm90_plan(m, n, k, SMS) == plan
+    assert h.SM90_GEMM_CONFIGS[12][:2] == (64, 48)
+
+
 def test_tiles_over_decode_rule_yields_to_decode_knobs(monkeypatch):
     # any decode knob set explicitly keeps the decode kernel (the knobs are for sweeps)
     monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CTAS", "1")
