@@ -408,9 +408,6 @@ class MData:
             self._neighbours[kind] = lambda i=0: run()
         return self._neighbours[kind]
 
-    def elem(self, i=0):
-        self.neighbour("elem")(i)
-
 
 def reference(sd, md):
     """fp32 reference from the dequantized inputs of weight copy 0 (TF32 off)."""
@@ -794,7 +791,6 @@ def main(argv=None) -> int:
                   timing="CUDA graph of L launches cycling R weight copies (> min_copy_mb); "
                          "us = median over all repeats of replay time / L; methods "
                          "interleaved replay by replay",
-                  elem_op="[M, K] bf16 elementwise multiply (torch.mul) before each GEMM",
                   neighbour_ops={"elem": "torch.mul of [M, K] bf16 by [K], no PDL",
                                  "norm": "Triton RMSNorm of [M, K] bf16, no PDL",
                                  "norm_pdl": "the same launched with PDL, gdc_wait before "

@@ -350,23 +350,24 @@ def build(key: str, root: Path, *, arch: str, verbose: bool = False) -> Path:
 
 
 def _load_prebuilt(key: str):
-    """The module from FP8LINEAR_PREBUILT/<key>/, or None (with a warning saying why)."""
+    """(module, .so path) from FP8LINEAR_PREBUILT/<key>/, or (None, None) with a warning
+    saying why."""
     env = os.environ.get("FP8LINEAR_PREBUILT")
     if not env:
-        return None
+        return None, None
     base = Path(env).expanduser().resolve()
     so = _built(base / key, key)
     if so is None:
         have = sorted(p.name for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
         warnings.warn(f"fp8linear: FP8LINEAR_PREBUILT={env} has no build for key {key} (it has "
                       f"{have or 'nothing'}); compiling instead", stacklevel=4)
-        return None
+        return None, None
     try:
-        return _import(so)
+        return _import(so), so
     except ImportError as e:  # e.g. built against another glibc/libstdc++ than this machine's
         warnings.warn(f"fp8linear: prebuilt {so} does not load ({e}); compiling instead",
                       stacklevel=4)
-        return None
+        return None, None
 
 
 _module = None
@@ -384,7 +385,7 @@ def load():
     with _module_lock:
         if _module is None:
             key = current_key()
-            mod = _load_prebuilt(key)
+            mod, _ = _load_prebuilt(key)
             if mod is None:
                 so = build(key, cache_root(), arch=ARCH)
                 try:
@@ -415,6 +416,8 @@ def available() -> bool:
 
 def precompile(verbose: bool = True, arch: str = ARCH) -> Path:
     """Builds the extension for ``arch`` into the cache without needing a GPU; returns the .so.
+    Where FP8LINEAR_PREBUILT holds a build for this key that loads, returns that one instead
+    (what load() will import; nothing to compile, no toolkit needed).
 
     Raises ToolkitMissingError when there is no CUDA toolkit, BuildError on compile errors.
     """
@@ -424,10 +427,10 @@ def precompile(verbose: bool = True, arch: str = ARCH) -> Path:
         raise BuildError(f"fp8linear: torch {torch.__version__} is a CPU-only build; the CUDA "
                          f"kernels need a CUDA build of torch")
     key = current_key(arch)
-    if arch == ARCH and _load_prebuilt(key) is not None:
+    mod, so = _load_prebuilt(key) if arch == ARCH else (None, None)
+    if mod is not None:
         # what load() will use: nothing to compile (a fresh GPU machine carrying a build made
         # elsewhere, e.g. by scripts/prebuild_device_ext.sh)
-        so = _built(Path(os.environ["FP8LINEAR_PREBUILT"]).expanduser().resolve() / key, key)
         if verbose:
             print(f"fp8linear: key {key}\nfp8linear: FP8LINEAR_PREBUILT has it: {so}",
                   flush=True)
