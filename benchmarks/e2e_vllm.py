@@ -22,6 +22,8 @@ Engine configurations (stage `engines`; one fresh process each, time-boxed, run 
                          compiles ~575 kernels at start, ~6 min: give it its own lease)
   fp8_blockgemm_nopdl    fp8_blockgemm with FP8LINEAR_VLLM_PDL=0: Inductor's kernels without
                          PDL (what the plugin turns on; matters with --compile vllm only)
+  fp8_blockgemm_nofuse   fp8_blockgemm with FP8LINEAR_VLLM_FUSE_NORM=0: without the plugin's
+                         norm + quantization pass (--compile vllm only)
   fp8_cutlass_pdl,       vLLM's fp8 (CUTLASS / DeepGEMM) with TORCHINDUCTOR_ENABLE_PDL=1: the
   fp8_deepgemm_pdl       same Inductor setting for the anchors (--compile vllm)
 Default: bf16,fp8_blockgemm,fp8_cutlass. The fp8linear kernels must be built beforehand
@@ -83,6 +85,8 @@ CONFIGS = {
     # --compile vllm: the plugin turns on Inductor's PDL (integrations/vllm/compile_config.py);
     # these measure it apart: ours with it off, and vLLM's fp8 with it on (torch's own switch)
     "fp8_blockgemm_nopdl": ("fp8", "fp8_blockgemm", {"FP8LINEAR_VLLM_PDL": "0"}),
+    # ... and its norm + quantization pass (integrations/vllm/norm_quant_pass.py) off
+    "fp8_blockgemm_nofuse": ("fp8", "fp8_blockgemm", {"FP8LINEAR_VLLM_FUSE_NORM": "0"}),
     "fp8_cutlass_pdl": ("fp8", "fp8", {"VLLM_USE_DEEP_GEMM": "0",
                                        "TORCHINDUCTOR_ENABLE_PDL": "1"}),
     "fp8_deepgemm_pdl": ("fp8", "fp8", {"VLLM_USE_DEEP_GEMM": "1",
@@ -91,7 +95,8 @@ CONFIGS = {
 DEFAULT_CONFIGS = "bf16,fp8_blockgemm,fp8_cutlass"
 ALIASES = {"online": "fp8_blockgemm_online", "deepgemm": "fp8_deepgemm",
            "cutlass": "fp8_cutlass", "blockgemm": "fp8_blockgemm",
-           "nopdl": "fp8_blockgemm_nopdl", "cutlass_pdl": "fp8_cutlass_pdl",
+           "nopdl": "fp8_blockgemm_nopdl", "nofuse": "fp8_blockgemm_nofuse",
+           "cutlass_pdl": "fp8_cutlass_pdl",
            "deepgemm_pdl": "fp8_deepgemm_pdl"}
 
 LLAMA8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
@@ -551,12 +556,18 @@ def compare_logprobs(results: dict) -> dict:
     return out
 
 
-def compare_pdl(results: dict) -> dict:
-    """fp8_blockgemm with and without Inductor's PDL run the same kernels on the same data:
-    their greedy tokens and prompt log-probabilities are compared (a missed wait would show
-    here; so do Inductor's compile-time choices, which can differ between engine processes:
-    NOTES, session 14)."""
-    a, b = results.get("fp8_blockgemm", {}), results.get("fp8_blockgemm_nopdl", {})
+# fp8_blockgemm against itself with one of the plugin's compile changes off
+VARIANTS = {"pdl_vs_nopdl": ("fp8_blockgemm_nopdl", "Inductor PDL on vs off"),
+            "fuse_vs_nofuse": ("fp8_blockgemm_nofuse", "norm + quantization pass on vs off")}
+
+
+def compare_variant(results: dict, other: str) -> dict:
+    """fp8_blockgemm and `other` (itself with Inductor's PDL off, or with the norm +
+    quantization pass off) compute the same model on the same data: their greedy tokens and
+    prompt log-probabilities are compared (a missed wait would show here; so do rounding
+    changes, e.g. the fused norm's, and Inductor's compile-time choices, which can differ
+    between engine processes: NOTES, session 14)."""
+    a, b = results.get("fp8_blockgemm", {}), results.get(other, {})
     if "tf_logprobs" not in a or "tf_logprobs" not in b:
         return {}
     # the shared prompt's part (without a bf16 engine each scores its own greedy tokens after it)
@@ -592,7 +603,8 @@ def merge(paths, out) -> int:
         doc["engines"].update(d["engines"])
     batches = doc["header"]["batches"]
     doc["logprobs"] = compare_logprobs(doc["engines"])
-    doc["pdl_vs_nopdl"] = compare_pdl(doc["engines"])
+    for key, (other, _) in VARIANTS.items():
+        doc[key] = compare_variant(doc["engines"], other)
     doc["targets"] = targets(doc["engines"], batches)
     doc["rows"] = decode_rows(doc["engines"])
     with open(out, "w") as f:
@@ -654,8 +666,9 @@ def table(doc: dict) -> str:
             lines.append(f"{'':<21}errors: {'; '.join(r['errors'])[:300]}")
     for k, v in doc.get("targets", {}).items():
         lines.append(f"target {k}: {v}")
-    if doc.get("pdl_vs_nopdl"):
-        lines.append(f"fp8_blockgemm Inductor PDL on vs off: {doc['pdl_vs_nopdl']}")
+    for key, (_, what) in VARIANTS.items():
+        if doc.get(key):
+            lines.append(f"fp8_blockgemm {what}: {doc[key]}")
     if h.get("skipped"):
         lines.append(f"skipped: {h['skipped']}")
     return "\n".join(lines)
@@ -706,6 +719,7 @@ def plot(doc: dict, png: str) -> None:
              "fp8_cutlass": ("tab:green", "v"), "fp8_deepgemm": ("tab:blue", "D"),
              "fp8_blockgemm_online": ("tab:orange", "s"),
              "fp8_blockgemm_nopdl": ("tab:pink", "o"), "fp8_cutlass_pdl": ("tab:olive", "v"),
+             "fp8_blockgemm_nofuse": ("tab:brown", "o"),
              "fp8_deepgemm_pdl": ("tab:cyan", "D")}
     h, res = doc["header"], doc["engines"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
@@ -819,7 +833,8 @@ def engines(args, models_rec) -> int:
             f"GiB, KV {r.get('kv_cache_tokens')} tokens, ms/token {per or '-'}, "
             f"{r['process_wall_s']} s" + (f"; errors: {r['errors']}" if r["errors"] else ""))
         doc["logprobs"] = compare_logprobs(doc["engines"])
-        doc["pdl_vs_nopdl"] = compare_pdl(doc["engines"])
+        for key, (other, _) in VARIANTS.items():
+            doc[key] = compare_variant(doc["engines"], other)
         doc["targets"] = targets(doc["engines"], args.batch_list)
         save()
     for name, r in doc["engines"].items():
@@ -837,7 +852,7 @@ def engines(args, models_rec) -> int:
         except Exception as e:  # noqa: BLE001
             log(f"plot failed: {type(e).__name__}: {e}")
     print(table(doc))
-    ok = rows and all(not r.get("errors") for r in doc["engines"].values())
+    ok = bool(doc["rows"]) and all(not r.get("errors") for r in doc["engines"].values())
     return 0 if ok else 1
 
 

@@ -152,6 +152,24 @@ def _(a, a_scale, w, w_scale, bias, out_dtype):
     return a.new_empty((a.shape[0], w.shape[0]), dtype=out_dtype)
 
 
+def _gemm_scale_t_impl(a: torch.Tensor, scale_t: torch.Tensor, w: torch.Tensor,
+                      w_scale: torch.Tensor, bias: Optional[torch.Tensor],
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    # block_fp8_gemm with the activation scales as fp8linear.norm_quant writes them:
+    # scale_t [K/128, ld], token m's at [g, m] (custom ops cannot take or return views, so
+    # the [M, K/128] view is made here)
+    return _gemm_impl(a, scale_t[:, :a.shape[0]].t(), w, w_scale, bias, out_dtype)
+
+
+gemm_scale_t_op = torch.library.custom_op("fp8linear::block_fp8_gemm_scale_t",
+                                          _gemm_scale_t_impl, mutates_args=())
+
+
+@gemm_scale_t_op.register_fake
+def _(a, scale_t, w, w_scale, bias, out_dtype):
+    return a.new_empty((a.shape[0], w.shape[0]), dtype=out_dtype)
+
+
 def _linear_impl(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                  bias: Optional[torch.Tensor]) -> torch.Tensor:
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)

@@ -26,6 +26,8 @@ import triton.language as tl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import common as C  # noqa: E402
 import fp8linear  # noqa: E402
 
 H, FFN, QKV = 4096, 14336, 6144
@@ -185,19 +187,9 @@ def main():
             with torch.cuda.graph(gr):
                 outs[name] = step(layers, x, fused, bufs)
             graphs[name] = gr
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-        times = {n: [] for n in graphs}
-        for _ in range(3):
-            for gr in graphs.values():
-                gr.replay()
-        for r in range(30):
-            for n in (list(graphs) if r % 2 == 0 else list(graphs)[::-1]):
-                ev[0].record()
-                graphs[n].replay()
-                ev[1].record()
-                ev[1].synchronize()
-                times[n].append(ev[0].elapsed_time(ev[1]) * 1e3 / LAYERS)
-        med = {n: statistics.median(t) for n, t in times.items()}
+        # interleaved replays between CUDA events (benchmarks/common.py), us per layer
+        times = C.time_graphs_interleaved(graphs, 30)
+        med = {n: statistics.median(t) / LAYERS for n, t in times.items()}
         a, b = outs["today"].float(), outs["fused"].float()
         diff = float((a - b).norm() / a.norm())
         print(f"{m:>4} {med['today']:9.2f} {med['fused']:9.2f} "

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import common as C  # noqa: E402
 import fp8linear  # noqa: E402
 from fp8linear.quant import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX  # noqa: E402
 
@@ -123,19 +125,9 @@ def main():
             with torch.no_grad():
                 graphs[name], outs[name] = graph_of(fn, x)
             kernels[name] = metrics.generated_kernel_count
-        times = {n: [] for n in graphs}
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-        for _ in range(3):
-            for g in graphs.values():
-                g.replay()
-        for r in range(30):
-            for n in (list(graphs) if r % 2 == 0 else list(graphs)[::-1]):
-                ev[0].record()
-                graphs[n].replay()
-                ev[1].record()
-                ev[1].synchronize()
-                times[n].append(ev[0].elapsed_time(ev[1]) * 1e3 / LAYERS)
-        med = {n: statistics.median(t) for n, t in times.items()}
+        # interleaved replays between CUDA events (benchmarks/common.py), us per layer
+        times = C.time_graphs_interleaved(graphs, 30)
+        med = {n: statistics.median(t) / LAYERS for n, t in times.items()}
         a, b = outs["linear"].float(), outs["native"].float()
         diff = float((a - b).norm() / a.norm())
         print(f"{m:>4} {med['linear']:9.2f} {med['native']:9.2f} "

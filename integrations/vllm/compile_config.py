@@ -14,6 +14,12 @@ launched before the GEMM ends. Measured end to end in benchmarks/NOTES.md (sessi
 
 ``FP8LINEAR_VLLM_PDL=0`` leaves Inductor's setting alone; a value the user put in
 ``compilation_config.inductor_compile_config`` is never overridden.
+
+Also on Hopper: a post-grad pass (norm_quant_pass.py) that turns vLLM's RMSNorm -> our linear
+layers into one norm + quantization kernel -> GEMMs on its fp8 output, removing the
+quantization step between each norm and its GEMMs. ``FP8LINEAR_VLLM_FUSE_NORM=0`` leaves it
+out (``=1`` installs it on other devices too); a ``post_grad_custom_post_pass`` the user set
+is kept.
 """
 from __future__ import annotations
 
@@ -25,6 +31,8 @@ from fp8linear.kernels import heuristics
 
 KEY = "triton.enable_pdl"
 ENV = "FP8LINEAR_VLLM_PDL"
+PASS_KEY = "post_grad_custom_post_pass"
+PASS_ENV = "FP8LINEAR_VLLM_FUSE_NORM"
 
 
 def hopper() -> bool:
@@ -52,4 +60,22 @@ def enable_inductor_pdl(vllm_config) -> bool:
     if KEY in options or not hopper() or not inductor_has_pdl():
         return False
     options[KEY] = True
+    return True
+
+
+def install_norm_quant_pass(vllm_config) -> bool:
+    """Put norm_quant_pass.NormQuantPass in ``vllm_config``'s Inductor options (see the module
+    docstring); returns whether it did. Called while the model is built, like
+    enable_inductor_pdl."""
+    switch = os.environ.get(PASS_ENV)
+    if vllm_config is None or switch == "0":
+        return False
+    options = vllm_config.compilation_config.inductor_compile_config
+    # (=1 installs it off Hopper too: the fused op runs as Triton on other GPUs and as its
+    # torch reference on the CPU. vLLM's CPU platform decomposes its norms before any pass,
+    # so there it finds nothing to rewrite.)
+    if PASS_KEY in options or not (hopper() or switch == "1"):
+        return False
+    from .norm_quant_pass import NormQuantPass
+    options[PASS_KEY] = NormQuantPass()
     return True

@@ -1,0 +1,83 @@
+"""(Residual add +) RMSNorm + per-token, per-128-channel FP8 quantization in one Triton kernel.
+
+What the vLLM plugin puts in place of a norm whose output only feeds our linear layers
+(integrations/vllm/norm_quant_pass.py): the GEMM then reads fp8 activations, with no
+quantization kernel between the norm and it (a grid-dependency hop of ~1-2 us a GEMM at
+16-64 tokens; benchmarks/NOTES.md, session 15).
+
+Numerics: vLLM's native rms_norm / fused_add_rms_norm (fp32 sum of the two inputs, the
+residual rounded to the input dtype, fp32 mean of squares, y = (x * rsqrt(var + eps)) rounded
+to the weight's dtype, times the weight, rounded), then quant_group (triton_quant.py), so the
+fp8 values and scales are exactly quantize_activation(y).
+
+A program normalises CG groups of 128 channels of one row; each re-reads the whole row for
+its sum of squares (a few KB from L2), so a row is spread over K / (128 CG) programs: with one
+program a row the kernel ran longer than the hop it removes (at 16 tokens only 16 programs).
+Launched with PDL where the GPU has it: griddepcontrol.wait before the first load,
+launch_dependents after the last, as torch Inductor's kernels do.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..quant import AMAX_EPS, BLOCK, FP8_MAX
+from .triton_quant import needs_round_first, quant_group
+
+GROUPS_PER_PROGRAM = 4
+
+
+@triton.jit(do_not_specialize=["s_ld"])     # (ld = M rounded up to 4: no recompile per M)
+def _norm_quant_kernel(x_ptr, res_ptr, w_ptr, res_out_ptr, y_ptr, q_ptr, s_ptr, s_ld, eps,
+                       K: tl.constexpr, BLOCK_K: tl.constexpr, CG: tl.constexpr,
+                       HAS_RES: tl.constexpr, HAS_W: tl.constexpr, STORE_Y: tl.constexpr,
+                       USE_GDC: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
+                       ROUND_FIRST: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_K)
+    mask = cols < K
+    g = c * CG + tl.arange(0, CG)
+    mine = g[:, None] * 128 + tl.arange(0, 128)[None, :]
+    mmask = mine < K
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+    x = tl.load(x_ptr + row * K + cols, mask=mask, other=0.0).to(tl.float32)
+    xm = tl.load(x_ptr + row * K + mine, mask=mmask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x += tl.load(res_ptr + row * K + cols, mask=mask, other=0.0).to(tl.float32)
+        xm += tl.load(res_ptr + row * K + mine, mask=mmask, other=0.0).to(tl.float32)
+    if HAS_W:
+        w = tl.load(w_ptr + mine, mask=mmask, other=0.0)
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+    if HAS_RES:
+        tl.store(res_out_ptr + row * K + mine, xm.to(res_out_ptr.dtype.element_ty), mask=mmask)
+    inv = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+    y = xm * inv
+    if HAS_W:
+        # rounded to the weight's dtype, times the weight: the fp32 product of two 16-bit
+        # floats is exact, so rounding it once is torch's 16-bit multiply
+        y = y.to(w.dtype).to(tl.float32) * w.to(tl.float32)
+    y = y.to(y_ptr.dtype.element_ty)
+    if STORE_Y:
+        tl.store(y_ptr + row * K + mine, y, mask=mmask)
+    q, s = quant_group(y.to(tl.float32), FP8_MAX_C, EPS, ROUND_FIRST)
+    tl.store(q_ptr + row * K + mine, q, mask=mmask)
+    tl.store(s_ptr + g.to(tl.int64) * s_ld + row, s, mask=g * 128 < K)
+
+
+def launch(x, residual, weight, eps, q, scale_t, residual_out, y=None, pdl=False):
+    """x [M, K] (+ residual) -> q [M, K] fp8, scale_t [K/128, ld] fp32 (token m's scale of
+    group g at [g, m]), residual_out = x + residual; y, if given, receives the normalised
+    output (tests). Validated by the caller (fp8linear.norm_quant)."""
+    m, k = x.shape
+    cg = GROUPS_PER_PROGRAM
+    grid = (m, triton.cdiv(k // BLOCK, cg))
+    _norm_quant_kernel[grid](
+        x, residual if residual is not None else x, weight if weight is not None else x,
+        residual_out if residual_out is not None else x, y if y is not None else x, q, scale_t,
+        scale_t.stride(0), float(eps), K=k, BLOCK_K=triton.next_power_of_2(k), CG=cg,
+        HAS_RES=residual is not None, HAS_W=weight is not None, STORE_Y=y is not None,
+        USE_GDC=pdl, FP8_MAX_C=FP8_MAX, EPS=AMAX_EPS,
+        ROUND_FIRST=needs_round_first(x.device), num_warps=4, launch_pdl=pdl)

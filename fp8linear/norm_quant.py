@@ -1,0 +1,142 @@
+"""(Residual add +) RMSNorm with the FP8 quantization of its output in the same kernel.
+
+For a norm whose output only feeds block-FP8 linear layers (a decoder's input and
+post-attention norms): the linears then run ``block_fp8_gemm_scale_t`` on the fp8
+activations, with no quantization step between the norm and the GEMM. The vLLM plugin
+rewrites compiled graphs to this form (integrations/vllm/norm_quant_pass.py).
+
+Numerics are vLLM's native ``rms_norm`` / ``fused_add_rms_norm`` followed by
+``quantize_activation``: the fp32 sum of input and residual (the new residual is that sum
+rounded to the input dtype), the fp32 mean of its squares, ``y = x * rsqrt(var + eps)``
+rounded to the weight's dtype, times the weight, rounded; then per token, per 128 channels,
+scale = amax / 448.
+
+Activation scales come as ``scale_t`` [K/128, ld], ld = M rounded up to 4: token m's scale of
+group g at ``scale_t[g, m]``, the column-major layout the Hopper kernels read in place
+(``scale_t[:, :M].t()`` is the [M, K/128] view ``block_fp8_gemm`` takes).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .quant import BLOCK, FP8_DTYPE, quantize_activation
+
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _fail(msg: str):
+    raise ValueError(msg)
+
+
+def _check(x, residual, weight):
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        _fail("x must be a 2-D [M, K] tensor, got "
+              + (f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__))
+    m, k = x.shape
+    if x.dtype not in _DTYPES:
+        _fail(f"x must be bf16 or fp16, got {x.dtype}")
+    if k % BLOCK:
+        _fail(f"x has {k} channels: the fused norm + quantization needs a multiple of {BLOCK}")
+    if not x.is_contiguous():
+        _fail(f"x must be contiguous, got strides {x.stride()}")
+    for t, name, shape in ((residual, "residual", (m, k)), (weight, "weight", (k,))):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            _fail(f"{name} must have shape {shape}, got "
+                  + (f"{tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__))
+        if t.dtype not in _DTYPES or (name == "residual" and t.dtype != x.dtype):
+            _fail(f"{name} must be {'x' if name == 'residual' else 'bf16/fp16'}'s dtype, got "
+                  f"{t.dtype}")
+        if t.device != x.device:
+            _fail(f"{name} is on {t.device} but x is on {x.device}")
+        if not t.is_contiguous():
+            _fail(f"{name} must be contiguous")
+
+
+def _buffers(x: torch.Tensor):
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    scale_t = torch.empty((k // BLOCK, (m + 3) // 4 * 4), dtype=torch.float32, device=x.device)
+    return q, scale_t
+
+
+def rms_norm_reference(x, residual, weight, eps: float):
+    """vLLM's native (fused_add_)rms_norm: (y, new residual or None)."""
+    orig = x.dtype
+    h = x.float()
+    if residual is not None:
+        h = h + residual.float()
+    res_out = h.to(orig) if residual is not None else None
+    h = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
+    if weight is not None:
+        h = h.to(weight.dtype) * weight
+    return h.to(orig), res_out
+
+
+def _impl(x, residual, weight, eps):
+    q, scale_t = _buffers(x)
+    res_out = torch.empty_like(x) if residual is not None else None
+    if x.shape[0]:
+        if x.device.type == "cuda":
+            from .kernels import heuristics, triton_norm_quant
+            pdl = (torch.cuda.get_device_capability(x.device)[0] >= 9
+                   and heuristics.env("FP8LINEAR_PDL") != "0")
+            triton_norm_quant.launch(x, residual, weight, eps, q, scale_t, res_out, pdl=pdl)
+        else:
+            y, r = rms_norm_reference(x, residual, weight, eps)
+            qq, s = quantize_activation(y)
+            q.copy_(qq)
+            scale_t[:, :x.shape[0]].copy_(s.t())
+            if r is not None:
+                res_out.copy_(r)
+    return q, scale_t, res_out
+
+
+def _norm_op_impl(x: torch.Tensor, weight: Optional[torch.Tensor],
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scale_t, _ = _impl(x, None, weight, eps)
+    return q, scale_t
+
+
+def _add_norm_op_impl(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.Tensor],
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _impl(x, residual, weight, eps)
+
+
+# Custom ops (opaque to torch.compile, with fake implementations), for compiled graphs.
+norm_op = torch.library.custom_op("fp8linear::rms_norm_quant", _norm_op_impl, mutates_args=())
+add_norm_op = torch.library.custom_op("fp8linear::add_rms_norm_quant", _add_norm_op_impl,
+                                      mutates_args=())
+
+
+@norm_op.register_fake
+def _(x, weight, eps):
+    return _buffers(x)
+
+
+@add_norm_op.register_fake
+def _(x, residual, weight, eps):
+    q, scale_t = _buffers(x)
+    return q, scale_t, torch.empty_like(x)
+
+
+def rms_norm_quant(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
+                   residual: Optional[torch.Tensor] = None):
+    """-> (fp8 [M, K], scale_t [K/128, ld] fp32, new residual [M, K] or None); see the module
+    docstring. x bf16/fp16 [M, K], K a multiple of 128; weight [K] or None."""
+    _check(x, residual, weight)
+    if residual is None:
+        q, scale_t = norm_op(x, weight, eps) if torch.compiler.is_compiling() \
+            else _norm_op_impl(x, weight, eps)
+        return q, scale_t, None
+    if torch.compiler.is_compiling():
+        return add_norm_op(x, residual, weight, eps)
+    return _add_norm_op_impl(x, residual, weight, eps)
+
+
+def scale_view(scale_t: torch.Tensor, m: int) -> torch.Tensor:
+    """The [M, K/128] activation-scale view of a ``scale_t`` buffer."""
+    return scale_t[:, :m].t()
