@@ -89,10 +89,12 @@ class NormQuantPass(InductorPass):
                 continue
             self._rewrite(graph, node, x, res, w, eps, y, rs)
             self.rewritten += 1
-        NormQuantPass.total += self.rewritten
         if self.rewritten:
-            _log.info("fp8_blockgemm: %d RMSNorm(s) of this graph now quantize their output "
-                      "for the linear layers after them", self.rewritten)
+            # once at info level (one line a compiled piece would be dozens), then debug
+            (_log.info if NormQuantPass.total == 0 else _log.debug)(
+                "fp8_blockgemm: %d RMSNorm(s) of this graph now quantize their output for "
+                "the linear layers after them", self.rewritten)
+        NormQuantPass.total += self.rewritten
 
     @staticmethod
     def _fits(x, y, linear) -> bool:
