@@ -67,10 +67,10 @@ class NormQuantPass(InductorPass):
     def __call__(self, graph: fx.Graph) -> None:
         self.rewritten = 0
         rms, add_rms = _ir_op("rms_norm"), _ir_op("fused_add_rms_norm")
+        norms = {t for t in (rms, add_rms) if t is not None}   # (none: a vLLM without IR ops)
         linear = torch.ops.fp8linear.fp8_linear.default
         for node in list(graph.nodes):
-            if node.op != "call_function" or node.target not in (rms, add_rms) or \
-                    node.target is None:
+            if node.op != "call_function" or node.target not in norms:
                 continue
             if node.target is add_rms:
                 x, res, w, eps, *rest = node.args
