@@ -577,6 +577,11 @@ def compare_variant(results: dict, other: str) -> dict:
             "prompt_abs_dlogprob_max": max(d) if d else None}
 
 
+def compare_variants(engines: dict) -> dict:
+    """{VARIANTS key: compare_variant} for the document."""
+    return {key: compare_variant(engines, other) for key, (other, _) in VARIANTS.items()}
+
+
 def decode_rows(engines: dict) -> list:
     """The JSON's flat rows: one per engine and decode batch."""
     return [{"config": name, "batch": d["batch"], "per_token_ms": d["per_token_ms"],
@@ -603,8 +608,7 @@ def merge(paths, out) -> int:
         doc["engines"].update(d["engines"])
     batches = doc["header"]["batches"]
     doc["logprobs"] = compare_logprobs(doc["engines"])
-    for key, (other, _) in VARIANTS.items():
-        doc[key] = compare_variant(doc["engines"], other)
+    doc.update(compare_variants(doc["engines"]))
     doc["targets"] = targets(doc["engines"], batches)
     doc["rows"] = decode_rows(doc["engines"])
     with open(out, "w") as f:
@@ -833,8 +837,7 @@ def engines(args, models_rec) -> int:
             f"GiB, KV {r.get('kv_cache_tokens')} tokens, ms/token {per or '-'}, "
             f"{r['process_wall_s']} s" + (f"; errors: {r['errors']}" if r["errors"] else ""))
         doc["logprobs"] = compare_logprobs(doc["engines"])
-        for key, (other, _) in VARIANTS.items():
-            doc[key] = compare_variant(doc["engines"], other)
+        doc.update(compare_variants(doc["engines"]))
         doc["targets"] = targets(doc["engines"], args.batch_list)
         save()
     for name, r in doc["engines"].items():

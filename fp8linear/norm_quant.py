@@ -81,10 +81,8 @@ def _impl(x, residual, weight, eps):
     res_out = torch.empty_like(x) if residual is not None else None
     if x.shape[0]:
         if x.device.type == "cuda":
-            from .kernels import heuristics, triton_norm_quant
-            pdl = (torch.cuda.get_device_capability(x.device)[0] >= 9
-                   and heuristics.env("FP8LINEAR_PDL") != "0")
-            triton_norm_quant.launch(x, residual, weight, eps, q, scale_t, res_out, pdl=pdl)
+            from .kernels import triton_norm_quant
+            triton_norm_quant.launch(x, residual, weight, eps, q, scale_t, res_out)
         else:
             y, r = rms_norm_reference(x, residual, weight, eps)
             qq, s = quantize_activation(y)

@@ -63,6 +63,13 @@ def forced_backend() -> str | None:
     return v
 
 
+def pdl_enabled() -> bool:
+    """Programmatic dependent launch for our kernels (CUDA and Triton): a kernel's prologue and
+    first loads overlap the previous kernel's tail. FP8LINEAR_PDL=0 turns it off (e.g. to
+    rule it out when debugging)."""
+    return env("FP8LINEAR_PDL") != "0"
+
+
 @functools.lru_cache(maxsize=None)
 def _cuda_default(index: int) -> str:
     # Hopper (sm_90) gets our CUDA kernels: they need wgmma/TMA, which only sm_90a has.

@@ -41,12 +41,6 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _pdl() -> bool:
-    # Programmatic dependent launch lets the weight stream start during the previous kernel's
-    # tail. FP8LINEAR_PDL=0 turns it off (e.g. to rule it out when debugging).
-    return heuristics.env("FP8LINEAR_PDL") != "0"
-
-
 # FP8LINEAR_LOG_DISPATCH=1: print each distinct dispatch decision once (to stderr), e.g. to see
 # which kernel every layer of a served model runs. Read once; off costs one bool test a call.
 _LOG_DISPATCH = os.environ.get("FP8LINEAR_LOG_DISPATCH", "0") not in ("", "0")
@@ -120,7 +114,7 @@ def _launch(m: int, n: int, k: int, x_dtype, index: int, linear: bool) -> _Launc
             # (a split's partial tile spans the CTA's 64 or 128 rows, however many it owns)
             ws_floats = splits * tiles * bt * (64 if rows == 64 else 128)
         early = heuristics.sm90_decode_early_trigger(plan, tiles, num_sms)
-    got = _Launch(plan, fused, tiles, ws_floats, cluster, _pdl(), early,
+    got = _Launch(plan, fused, tiles, ws_floats, cluster, heuristics.pdl_enabled(), early,
                   _gemm_pdl())
     if heuristics.CACHE_ENV:  # (tests switch knobs between calls: no cache then)
         if len(_launches) >= _MAX_LAUNCHES:
@@ -153,7 +147,7 @@ def _gemm_pdl() -> bool:
     # to back and after an elementwise kernel (2112x7168 x 128 17.4 -> 16.4, 6144x4096 x 256
     # 18.6 -> 17.7); 4096x14336 x 256-512 back to back +0.3 to +1.3.
     # FP8LINEAR_SM90_GEMM_PDL=0 turns it off.
-    return _pdl() and heuristics.env("FP8LINEAR_SM90_GEMM_PDL") != "0"
+    return heuristics.pdl_enabled() and heuristics.env("FP8LINEAR_SM90_GEMM_PDL") != "0"
 
 
 def _scale_t(a_scale, m):

@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from ..quant import AMAX_EPS, BLOCK, FP8_MAX
-from .triton_quant import needs_round_first, quant_group
+from . import heuristics
+from .triton_quant import _capability, needs_round_first, quant_group
 
 GROUPS_PER_PROGRAM = 4
 
@@ -67,10 +68,13 @@ def _norm_quant_kernel(x_ptr, res_ptr, w_ptr, res_out_ptr, y_ptr, q_ptr, s_ptr, 
     tl.store(s_ptr + g.to(tl.int64) * s_ld + row, s, mask=g * 128 < K)
 
 
-def launch(x, residual, weight, eps, q, scale_t, residual_out, y=None, pdl=False):
+def launch(x, residual, weight, eps, q, scale_t, residual_out, y=None, pdl=None):
     """x [M, K] (+ residual) -> q [M, K] fp8, scale_t [K/128, ld] fp32 (token m's scale of
     group g at [g, m]), residual_out = x + residual; y, if given, receives the normalised
-    output (tests). Validated by the caller (fp8linear.norm_quant)."""
+    output (tests). pdl: None = where the GPU has it (sm_90+) and FP8LINEAR_PDL allows.
+    Validated by the caller (fp8linear.norm_quant)."""
+    if pdl is None:
+        pdl = _capability(x.device.index or 0)[0] >= 9 and heuristics.pdl_enabled()
     m, k = x.shape
     cg = GROUPS_PER_PROGRAM
     grid = (m, triton.cdiv(k // BLOCK, cg))

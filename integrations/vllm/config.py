@@ -87,12 +87,13 @@ class Fp8BlockGemmConfig(compat.QuantizationConfig):
                 "bf16/fp16 checkpoint quantized to 128x128 block FP8 while loading"
                 if self.checkpoint is None else f"{self.checkpoint.method} block-FP8 checkpoint")
             # (the model is being built: vLLM's compile backend does not exist yet)
-            if compile_config.enable_inductor_pdl(compat.current_vllm_config()):
+            vllm_config = compat.current_vllm_config()
+            if compile_config.enable_inductor_pdl(vllm_config):
                 compat.logger.info(
                     "fp8_blockgemm: Inductor's kernels launch with PDL (%s), so each GEMM "
                     "starts streaming its weights under the kernel before it (%s=0: off)",
                     compile_config.KEY, compile_config.ENV)
-            if compile_config.install_norm_quant_pass(compat.current_vllm_config()):
+            if compile_config.install_norm_quant_pass(vllm_config):
                 compat.logger.info(
                     "fp8_blockgemm: RMSNorms feeding block-FP8 linears quantize their output "
                     "in the same kernel (a compile pass; %s=0: off)", compile_config.PASS_ENV)
