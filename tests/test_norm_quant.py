@@ -58,6 +58,12 @@ def test_bad_inputs_are_named():
         nq.rms_norm_quant(torch.cat([x, x], 1)[:, ::2], w, 1e-6)
     with pytest.raises(ValueError, match="residual must be x's dtype"):
         nq.rms_norm_quant(x, w, 1e-6, residual=res.half())
+    with pytest.raises(ValueError, match=r"x must be a 2-D \[M, K\] tensor, got shape \(256,\)"):
+        nq.rms_norm_quant(x[0], w, 1e-6)
+    with pytest.raises(ValueError, match="weight must be bf16/fp16's dtype, got torch.float32"):
+        nq.rms_norm_quant(x, w.float(), 1e-6)
+    with pytest.raises(ValueError, match="weight must be contiguous"):
+        nq.rms_norm_quant(x, torch.stack([w, w], 1)[:, 0], 1e-6)
 
 
 def test_gemm_on_the_scale_buffer_equals_fp8_linear():

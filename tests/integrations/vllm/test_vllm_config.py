@@ -194,3 +194,9 @@ def test_norm_quant_pass_installed_for_hopper_only(config_dir, monkeypatch):
     monkeypatch.setenv(cc.PASS_ENV, "0")
     assert cc.install_norm_quant_pass(vc) is False
     assert cc.PASS_KEY not in vc.compilation_config.inductor_compile_config
+
+    vc = fresh()                                  # =1 installs it off Hopper too
+    monkeypatch.setattr(cc, "hopper", lambda: False)
+    monkeypatch.setenv(cc.PASS_ENV, "1")
+    assert cc.install_norm_quant_pass(vc) is True
+    assert isinstance(vc.compilation_config.inductor_compile_config[cc.PASS_KEY], NormQuantPass)
