@@ -22,8 +22,8 @@ Engine configurations (stage `engines`; one fresh process each, time-boxed, run 
                          compiles ~575 kernels at start, ~6 min: give it its own lease)
   fp8_blockgemm_nopdl    fp8_blockgemm with FP8LINEAR_VLLM_PDL=0: Inductor's kernels without
                          PDL (what the plugin turns on; matters with --compile vllm only)
-  fp8_blockgemm_nofuse   fp8_blockgemm with FP8LINEAR_VLLM_FUSE_NORM=0: without the plugin's
-                         norm + quantization pass (--compile vllm only)
+  fp8_blockgemm_nofuse   fp8_blockgemm with FP8LINEAR_VLLM_FUSE_QUANT=0: without the plugin's
+                         quantization fusion pass (--compile vllm only)
   fp8_cutlass_pdl,       vLLM's fp8 (CUTLASS / DeepGEMM) with TORCHINDUCTOR_ENABLE_PDL=1: the
   fp8_deepgemm_pdl       same Inductor setting for the anchors (--compile vllm)
 Default: bf16,fp8_blockgemm,fp8_cutlass. The fp8linear kernels must be built beforehand
@@ -85,8 +85,8 @@ CONFIGS = {
     # --compile vllm: the plugin turns on Inductor's PDL (integrations/vllm/compile_config.py);
     # these measure it apart: ours with it off, and vLLM's fp8 with it on (torch's own switch)
     "fp8_blockgemm_nopdl": ("fp8", "fp8_blockgemm", {"FP8LINEAR_VLLM_PDL": "0"}),
-    # ... and its norm + quantization pass (integrations/vllm/norm_quant_pass.py) off
-    "fp8_blockgemm_nofuse": ("fp8", "fp8_blockgemm", {"FP8LINEAR_VLLM_FUSE_NORM": "0"}),
+    # ... and its quantization fusion pass (integrations/vllm/quant_fusion_pass.py) off
+    "fp8_blockgemm_nofuse": ("fp8", "fp8_blockgemm", {"FP8LINEAR_VLLM_FUSE_QUANT": "0"}),
     "fp8_cutlass_pdl": ("fp8", "fp8", {"VLLM_USE_DEEP_GEMM": "0",
                                        "TORCHINDUCTOR_ENABLE_PDL": "1"}),
     "fp8_deepgemm_pdl": ("fp8", "fp8", {"VLLM_USE_DEEP_GEMM": "1",

@@ -3,7 +3,7 @@
 For a norm whose output only feeds block-FP8 linear layers (a decoder's input and
 post-attention norms): the linears then run ``block_fp8_gemm_scale_t`` on the fp8
 activations, with no quantization step between the norm and the GEMM. The vLLM plugin
-rewrites compiled graphs to this form (integrations/vllm/norm_quant_pass.py).
+rewrites compiled graphs to this form (integrations/vllm/quant_fusion_pass.py).
 
 Numerics are vLLM's native ``rms_norm`` / ``fused_add_rms_norm`` followed by
 ``quantize_activation``: the fp32 sum of input and residual (the new residual is that sum

@@ -1,7 +1,7 @@
 """(Residual add +) RMSNorm + per-token, per-128-channel FP8 quantization in one Triton kernel.
 
 What the vLLM plugin puts in place of a norm whose output only feeds our linear layers
-(integrations/vllm/norm_quant_pass.py): the GEMM then reads fp8 activations, with no
+(integrations/vllm/quant_fusion_pass.py): the GEMM then reads fp8 activations, with no
 quantization kernel between the norm and it (a grid-dependency hop of ~1-2 us a GEMM at
 16-64 tokens; benchmarks/NOTES.md, session 15).
 

@@ -15,11 +15,12 @@ launched before the GEMM ends. Measured end to end in benchmarks/NOTES.md (sessi
 ``FP8LINEAR_VLLM_PDL=0`` leaves Inductor's setting alone; a value the user put in
 ``compilation_config.inductor_compile_config`` is never overridden.
 
-Also on Hopper: a post-grad pass (norm_quant_pass.py) that turns vLLM's RMSNorm -> our linear
-layers into one norm + quantization kernel -> GEMMs on its fp8 output, removing the
-quantization step between each norm and its GEMMs. ``FP8LINEAR_VLLM_FUSE_NORM=0`` leaves it
-out (``=1`` installs it on other devices too); a ``post_grad_custom_post_pass`` the user set
-is kept.
+Also on Hopper: a post-grad pass (quant_fusion_pass.py) that makes the kernels before our
+linear layers quantize their own output: vLLM's RMSNorm -> our linears becomes one norm +
+quantization kernel -> GEMMs on its fp8 output, SiLU-and-mul -> down_proj likewise, removing
+the quantization step between each of them and its GEMMs. ``FP8LINEAR_VLLM_FUSE_QUANT=0``
+leaves it out (``=1`` installs it on other devices too); a ``post_grad_custom_post_pass`` the
+user set is kept.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from fp8linear.kernels import heuristics
 KEY = "triton.enable_pdl"
 ENV = "FP8LINEAR_VLLM_PDL"
 PASS_KEY = "post_grad_custom_post_pass"
-PASS_ENV = "FP8LINEAR_VLLM_FUSE_NORM"
+PASS_ENV = "FP8LINEAR_VLLM_FUSE_QUANT"
 
 
 def hopper() -> bool:
@@ -63,8 +64,8 @@ def enable_inductor_pdl(vllm_config) -> bool:
     return True
 
 
-def install_norm_quant_pass(vllm_config) -> bool:
-    """Put norm_quant_pass.NormQuantPass in ``vllm_config``'s Inductor options (see the module
+def install_quant_fusion_pass(vllm_config) -> bool:
+    """Put quant_fusion_pass.QuantFusionPass in ``vllm_config``'s Inductor options (see the module
     docstring); returns whether it did. Called while the model is built, like
     enable_inductor_pdl."""
     switch = os.environ.get(PASS_ENV)
@@ -73,9 +74,9 @@ def install_norm_quant_pass(vllm_config) -> bool:
     options = vllm_config.compilation_config.inductor_compile_config
     # (=1 installs it off Hopper too: the fused op runs as Triton on other GPUs and as its
     # torch reference on the CPU. vLLM's CPU platform decomposes its norms before any pass,
-    # so there it finds nothing to rewrite.)
+    # so there it finds only the SiLU-and-mul to rewrite.)
     if PASS_KEY in options or not (hopper() or switch == "1"):
         return False
-    from .norm_quant_pass import NormQuantPass
-    options[PASS_KEY] = NormQuantPass()
+    from .quant_fusion_pass import QuantFusionPass
+    options[PASS_KEY] = QuantFusionPass()
     return True

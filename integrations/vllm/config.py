@@ -93,10 +93,10 @@ class Fp8BlockGemmConfig(compat.QuantizationConfig):
                     "fp8_blockgemm: Inductor's kernels launch with PDL (%s), so each GEMM "
                     "starts streaming its weights under the kernel before it (%s=0: off)",
                     compile_config.KEY, compile_config.ENV)
-            if compile_config.install_norm_quant_pass(vllm_config):
+            if compile_config.install_quant_fusion_pass(vllm_config):
                 compat.logger.info(
-                    "fp8_blockgemm: RMSNorms feeding block-FP8 linears quantize their output "
-                    "in the same kernel (a compile pass; %s=0: off)", compile_config.PASS_ENV)
+                    "fp8_blockgemm: RMSNorms and SiLU-and-muls feeding block-FP8 linears "
+                    "quantize their output in the same kernel (a compile pass; %s=0: off)", compile_config.PASS_ENV)
         if isinstance(layer, compat.LinearBase):
             if not self.quantizes(prefix):
                 return compat.UnquantizedLinearMethod()

@@ -109,7 +109,10 @@ def engine_results(tiny_models, tmp_path_factory) -> dict:
     spec, out = tmp / "spec.json", tmp / "results.json"
     spec.write_text(json.dumps({"runs": runs}))
     proc = subprocess.run([sys.executable, str(HERE / "engine_runner.py"), str(spec), str(out)],
-                          env=vllm_env(tmp, FP8LINEAR_VLLM_COUNT_CALLS=1),
+                          # (FUSE_QUANT=1: the compile pass, Hopper-only by default, in
+                          # the compiled engine too)
+                          env=vllm_env(tmp, FP8LINEAR_VLLM_COUNT_CALLS=1,
+                                       FP8LINEAR_VLLM_FUSE_QUANT=1),
                           capture_output=True, text=True, timeout=600)
     (tmp / "runner.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0 or not out.exists():

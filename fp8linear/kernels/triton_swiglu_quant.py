@@ -1,0 +1,65 @@
+"""SiLU-and-mul + per-token, per-128-channel FP8 quantization in one Triton kernel.
+
+What the vLLM plugin puts in place of the SiLU-and-mul before down_proj
+(integrations/vllm/quant_fusion_pass.py): down_proj then reads fp8 activations, with no
+quantization kernel between the activation and it.
+
+Numerics: vLLM's native SiluAndMul in x's dtype (silu in fp32, x / (1 + exp(-x)) as torch
+computes it, rounded; times the up half, rounded), then quant_group (triton_quant.py), so the
+fp8 values and scales are quantize_activation of that product.
+
+A program takes CG groups of 128 output channels of one row (its gate and up halves: 1 KB of
+input a group). Launched with PDL where the GPU has it, as triton_norm_quant.py is.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..quant import AMAX_EPS, FP8_MAX
+from . import heuristics
+from .triton_quant import _capability, needs_round_first, quant_group
+
+GROUPS_PER_PROGRAM = 4
+
+
+@triton.jit(do_not_specialize=["s_ld"])     # (ld = M rounded up to 4: no recompile per M)
+def _silu_mul_quant_kernel(x_ptr, y_ptr, q_ptr, s_ptr, s_ld, D: tl.constexpr,
+                           CG: tl.constexpr, STORE_Y: tl.constexpr, USE_GDC: tl.constexpr,
+                           FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
+                           ROUND_FIRST: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * CG + tl.arange(0, CG)
+    mine = g[:, None] * 128 + tl.arange(0, 128)[None, :]
+    mask = mine < D
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+    a = tl.load(x_ptr + row * (2 * D) + mine, mask=mask, other=0.0)
+    b = tl.load(x_ptr + row * (2 * D) + D + mine, mask=mask, other=0.0)
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+    af = a.to(tl.float32)
+    silu = (af / (1.0 + tl.exp(-af))).to(a.dtype)
+    # the fp32 product of two 16-bit floats is exact: rounding it once is torch's multiply
+    y = (silu.to(tl.float32) * b.to(tl.float32)).to(a.dtype)
+    if STORE_Y:
+        tl.store(y_ptr + row * D + mine, y, mask=mask)
+    q, s = quant_group(y.to(tl.float32), FP8_MAX_C, EPS, ROUND_FIRST)
+    tl.store(q_ptr + row * D + mine, q, mask=mask)
+    tl.store(s_ptr + g.to(tl.int64) * s_ld + row, s, mask=g * 128 < D)
+
+
+def launch(x, q, scale_t, y=None, pdl=None):
+    """x [M, 2d] -> q [M, d] fp8, scale_t [d/128, ld] fp32 (token m's scale of group g at
+    [g, m]); y, if given, receives silu(x[:, :d]) * x[:, d:] (tests). pdl: None = where the
+    GPU has it (sm_90+) and FP8LINEAR_PDL allows. Validated by the caller
+    (fp8linear.swiglu_quant)."""
+    if pdl is None:
+        pdl = _capability(x.device.index or 0)[0] >= 9 and heuristics.pdl_enabled()
+    m, d = x.shape[0], x.shape[1] // 2
+    cg = GROUPS_PER_PROGRAM
+    grid = (m, triton.cdiv(d // 128, cg))
+    _silu_mul_quant_kernel[grid](
+        x, y if y is not None else x, q, scale_t, scale_t.stride(0), D=d, CG=cg,
+        STORE_Y=y is not None, USE_GDC=pdl, FP8_MAX_C=FP8_MAX, EPS=AMAX_EPS,
+        ROUND_FIRST=needs_round_first(x.device), num_warps=4, launch_pdl=pdl)
