@@ -1,6 +1,7 @@
 """integrations/vllm/quant_fusion_pass.py on graphs made of vLLM's IR norm ops, SiLU-and-mul
-and our linear op (the post-grad form vLLM hands its custom passes), run on the CPU: the rewritten graph must
-compute bit-identical results, and graphs the pass must not touch stay as they were."""
+and our linear op (the post-grad form vLLM hands its custom passes), run on the CPU: the
+rewritten graph must compute bit-identical results, and graphs the pass must not touch stay as
+they were."""
 from __future__ import annotations
 
 import operator
