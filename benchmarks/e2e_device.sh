@@ -23,7 +23,7 @@
 # vllm_engines.log (the engine logs, each cut to its last ENGINE_LOG_LINES=400 lines).
 # Knobs: LAYERS (8), E2E_WORK (/tmp/e2e_vllm), VLLM_SITE (/tmp/vllm-site), FP8LINEAR_SITE,
 # FP8LINEAR_CACHE, FP8LINEAR_PREBUILT (set to $PWD/.prebuilt when a .prebuilt was carried),
-# DECODER_ARGS, MODELS_ARGS (extra args of the models stage).
+# DECODER_ARGS, MODELS_ARGS (extra args of the models stage), DG_VLLM_JIT_CACHE (below).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
@@ -70,6 +70,13 @@ say "e2e_device.sh: total ${TOTAL}s, steps $STEPS, out $OUT, work $W, layers $LA
 say "PYTHONPATH=$PYTHONPATH FP8LINEAR_CACHE=$FP8LINEAR_CACHE FP8LINEAR_PREBUILT=${FP8LINEAR_PREBUILT:-unset}"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.max.sm --format=csv,noheader 2>&1 | tee -a "$LOG"
 has_vllm || say "WARNING: vLLM is not in $VS (run the six transfers first): vLLM part skipped"
+# DG_VLLM_JIT_CACHE=<a .tgz of an earlier machine's ~/.cache/vllm/deep_gemm> (e.g. a carried
+# .deepgemm/vllm_jit_cache.tgz): vLLM's DeepGEMM engine then starts warm instead of JIT-
+# compiling its kernels (~3-6 min); its start time is then not the cold one
+if [ -n "${DG_VLLM_JIT_CACHE:-}" ] && [ -f "$DG_VLLM_JIT_CACHE" ]; then
+  mkdir -p "$HOME/.cache/vllm/deep_gemm" && tar xzf "$DG_VLLM_JIT_CACHE" -C "$HOME/.cache/vllm/deep_gemm" \
+    && say "DeepGEMM JIT cache restored from $DG_VLLM_JIT_CACHE (vLLM's fp8_deepgemm starts warm)"
+fi
 
 # ------------------------------------------------------------------------------- setup
 if want setup; then

@@ -399,6 +399,7 @@ def worker(spec_path: str) -> int:
         sp = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False, prompt_logprobs=1)
         plp = llm.generate([{"prompt_token_ids": seq}], sp, use_tqdm=False)[0].prompt_logprobs
         res["tf_seq"] = seq
+        res["tf_source"] = "bf16" if spec.get("tf_tokens") else "own"   # whose greedy tokens
         res["tf_logprobs"] = [plp[i][seq[i]].logprob for i in range(1, len(seq))]
         res["tf_top1"] = [next((t for t, lp in plp[i].items() if lp.rank == 1), None)
                           for i in range(1, len(seq))]
@@ -534,12 +535,21 @@ def compare_logprobs(results: dict) -> dict:
     for name, r in results.items():
         if name == "bf16" or "tf_logprobs" not in r:
             continue
-        if r.get("tf_seq") != ref.get("tf_seq"):
-            out[name] = {"error": "scored a different sequence than bf16"}
-            continue
-        d = [abs(a - b) for a, b in zip(r["tf_logprobs"], ref["tf_logprobs"])]
+        # the same sequence scored: the prompt + bf16's greedy tokens, when bf16 ran first in
+        # the same invocation; else (bf16 run apart, --merge) the prompt part alone compares.
+        # (A saved run keeps tf_seq for bf16 only; tf_source says whose tokens were scored.)
+        if "tf_seq" in r:
+            same = r["tf_seq"] == ref.get("tf_seq")
+            prefix = (ref.get("tf_seq") or [])[:LP_PROMPT_LEN]
+            if not same and r["tf_seq"][:LP_PROMPT_LEN] != prefix:
+                out[name] = {"error": "scored a different sequence than bf16"}
+                continue
+        else:
+            same = r.get("tf_source", "bf16") == "bf16"
+        n = len(r["tf_logprobs"]) if same else n_prompt
+        d = [abs(a - b) for a, b in zip(r["tf_logprobs"][:n], ref["tf_logprobs"][:n])]
         dp, dg = d[:n_prompt], d[n_prompt:]
-        top = [a == b for a, b in zip(r["tf_top1"], ref["tf_top1"])]
+        top = [a == b for a, b in zip((r.get("tf_top1") or [])[:n], ref["tf_top1"][:n])]
         g1, g0 = r.get("greedy_tokens") or [], ref.get("greedy_tokens") or []
         first_div = next((i for i, (a, b) in enumerate(zip(g1, g0)) if a != b), None)
         out[name] = {
@@ -548,6 +558,7 @@ def compare_logprobs(results: dict) -> dict:
             "prompt_abs_dlogprob_mean": sum(dp) / len(dp) if dp else None,
             "prompt_abs_dlogprob_max": max(dp) if dp else None,
             "top1_agreement": sum(top) / len(top) if top else None,
+            "scored": "prompt + bf16's greedy tokens" if same else "prompt only",
             "greedy_tokens_equal": g1 == g0,
             "greedy_first_divergence": first_div,
             "bf16_greedy_logprob_mean": (sum(ref["tf_logprobs"][n_prompt:])
@@ -592,21 +603,34 @@ def decode_rows(engines: dict) -> list:
 def merge(paths, out) -> int:
     """--merge: one document from several runs' JSON (their headers listed under
     header.merged_from)."""
-    docs = []
+    docs, suffixes = [], []
     for path in paths:
+        # PATH@SUFFIX: that run's engines get SUFFIX appended to their names (e.g. an engine
+        # run with other settings, kept beside the one of the same name)
+        path, _, suffix = path.partition("@")
         with open(path) as f:
-            docs.append(json.load(f))
-    keys = ("model", "batches", "prompt_len", "out_len", "compile")
+            d = json.load(f)
+        d["engines"] = {n + suffix: dict(e, name=n + suffix) for n, e in d["engines"].items()}
+        if "bf16" not in d["engines"]:    # (runs saved before tf_source: own greedy tokens)
+            for e in d["engines"].values():
+                e.setdefault("tf_source", "own")
+        docs.append(d)
+        suffixes.append(suffix)
+    keys = ("model", "prompt_len", "out_len", "compile")
     for d in docs[1:]:
         diff = [k for k in keys if d["header"].get(k) != docs[0]["header"].get(k)]
         if diff:
             raise SystemExit(f"--merge: {diff} differ between {paths[0]} and the others")
     doc = {"header": dict(docs[0]["header"]), "engines": {}}
-    doc["header"]["merged_from"] = [{"file": os.path.basename(p), "date": d["header"].get("date"),
-                                     "engines": list(d["engines"])} for p, d in zip(paths, docs)]
+    doc["header"]["merged_from"] = [
+        {"file": os.path.basename(p.partition("@")[0]), "date": d["header"].get("date"),
+         "engines": list(d["engines"]), "batches": d["header"].get("batches")}
+        for p, d in zip(paths, docs)]
     for d in docs:
         doc["engines"].update(d["engines"])
-    batches = doc["header"]["batches"]
+    # runs may time different batch sizes (--b256): the table shows each engine's own
+    batches = sorted({b for d in docs for b in d["header"]["batches"]})
+    doc["header"]["batches"] = batches
     doc["logprobs"] = compare_logprobs(doc["engines"])
     doc.update(compare_variants(doc["engines"]))
     doc["targets"] = targets(doc["engines"], batches)
@@ -652,14 +676,16 @@ def table(doc: dict) -> str:
              f"compile={h['compile']}",
              f"{'config':<21}{'start s':>8}{'wt GiB':>8}{'KV tok':>9} | ms per output token at "
              f"batch " + "/".join(map(str, batches)) + " | prefill ms | dlogprob vs bf16 "
-             f"(greedy mean/max)"]
+             f"(greedy mean/max; p: the prompt's)"]
     lp = doc.get("logprobs", {})
     for name, r in results.items():
         per = {d["batch"]: d.get("per_token_ms") for d in r.get("decode", [])}
         cells = " ".join(f"{per[b]:6.2f}" if per.get(b) else f"{'-':>6}" for b in batches)
         c = lp.get(name, {})
         lps = (f"{c['greedy_abs_dlogprob_mean']:.3f}/{c['greedy_abs_dlogprob_max']:.3f}"
-               if c.get("greedy_abs_dlogprob_mean") is not None else "-")
+               if c.get("greedy_abs_dlogprob_mean") is not None else
+               f"p {c['prompt_abs_dlogprob_mean']:.3f}/{c['prompt_abs_dlogprob_max']:.3f}"
+               if c.get("prompt_abs_dlogprob_mean") is not None else "-")
         kv = r.get("kv_cache_tokens")
         pf = r.get("prefill", {}).get("best_s")
         pfs = f"{pf * 1e3:10.1f}" if pf else f"{'-':>10}"
@@ -686,6 +712,9 @@ def targets(results: dict, batches) -> dict:
 
     def best(names):
         fp8 = {}
+        # (an anchor kept under another setting by --merge, e.g. fp8_cutlass_seqs256, counts)
+        names = [n for n in results if n in names or re.fullmatch(
+            "(?:" + "|".join(map(re.escape, names)) + r")_seqs\d+", n)]
         for n in names:
             for d in results.get(n, {}).get("decode", []):
                 if d.get("per_token_ms"):
@@ -705,9 +734,19 @@ def targets(results: dict, batches) -> dict:
             out[f"fp8_blockgemm vs {label} (need >= 1.15x)"] = ", ".join(parts)
     bf = {d["batch"]: d["per_token_ms"] for d in results.get("bf16", {}).get("decode", [])
           if d.get("per_token_ms")}
-    parts = [f"b{b} {bf[b] / ours[b]:.2f}x" for b in batches if b in ours and b in bf]
-    if parts:
-        out["fp8_blockgemm speedup vs bf16"] = ", ".join(parts)
+    # (fp8_blockgemm_*: the same engine with other settings, e.g. --b256's max_num_seqs 256
+    # kept beside the batch 1-64 run by --merge)
+    for name in ["fp8_blockgemm"] + sorted(n for n in results
+                                           if n.startswith("fp8_blockgemm_seqs")):
+        mine = {d["batch"]: d["per_token_ms"] for d in results[name].get("decode", [])
+                if d.get("per_token_ms")} if name in results else {}
+        parts = [f"b{b} {bf[b] / mine[b]:.2f}x" for b in batches if b in mine and b in bf]
+        if parts:
+            out[f"{name} speedup vs bf16"] = ", ".join(parts)
+        if 256 in mine and 256 in bf:
+            out[f"{name} faster than bf16 at batch 256"] = (
+                f"{mine[256]:.2f} vs {bf[256]:.2f} ms "
+                f"{'PASS' if mine[256] < bf[256] else 'FAIL'}")
     if results.get("fp8_blockgemm", {}).get("start_s") and results.get("bf16", {}).get("start_s"):
         dt = results["fp8_blockgemm"]["start_s"] - results["bf16"]["start_s"]
         out["engine start vs bf16 (need <= +30 s)"] = (f"{dt:+.1f} s "
@@ -903,7 +942,8 @@ def parse_args(argv=None):
                    help="merge the engines of earlier runs (same model and workloads, e.g. "
                         "anchors run in later calls on the same machine) into --out, with "
                         "targets, plot and table, and exit; a later run's engine of the same "
-                        "name replaces the earlier one")
+                        "name replaces the earlier one; JSON@SUFFIX appends SUFFIX to that "
+                        "run's engine names (e.g. @_seqs256 for a --b256 run kept beside)")
     a = p.parse_args(argv)
     if a.merge and not a.out:
         p.error("--merge needs --out (the merged JSON; its PNG goes beside it)")

@@ -59,3 +59,37 @@ def test_merge_refuses_other_workloads_and_a_missing_out(E, tmp_path, capsys):
     with pytest.raises(SystemExit):
         E.main(["--merge", a, b])
     assert "--merge needs --out" in capsys.readouterr().err
+
+
+def test_merge_keeps_a_renamed_run_and_compares_prompt_logprobs_across_runs(E, tmp_path):
+    """JSON@SUFFIX keeps a run with other settings beside the same engines (its anchors
+    still count for the target); batch lists may differ; an engine scored apart from bf16
+    compares on the prompt's log-probabilities only."""
+    pytest.importorskip("matplotlib")
+    n = E.LP_PROMPT_LEN - 1
+    a = _run(tmp_path / "a.json", {"fp8_blockgemm": [4.0, 4.0, 9.0],
+                                   "fp8_cutlass": [4.4, 5.6, 26.0]}, batches=[1, 4, 256])
+    b = _run(tmp_path / "b.json", {"bf16": [6.5, 6.5, 12.0]}, batches=[1, 4, 256])
+    c = _run(tmp_path / "c.json", {"fp8_blockgemm": [3.8, 3.7]})
+    docs = {p: json.loads(open(p).read()) for p in (b, c)}
+    seq = list(range(n + 1 + 3))
+    docs[b]["engines"]["bf16"].update(tf_seq=seq, tf_logprobs=[-1.0] * (len(seq) - 1),
+                                      tf_top1=[0] * (len(seq) - 1))
+    # c's engine ran without bf16: its prompt part +0.5 off, its own continuation far off
+    docs[c]["engines"]["fp8_blockgemm"].update(tf_logprobs=[-1.5] * n + [-9.0] * 3)
+    for p, d in docs.items():
+        open(p, "w").write(json.dumps(d))
+    out = tmp_path / "m.json"
+    assert E.main(["--merge", a + "@_seqs256", b, c, "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert list(doc["engines"]) == ["fp8_blockgemm_seqs256", "fp8_cutlass_seqs256", "bf16",
+                                    "fp8_blockgemm"]
+    assert doc["header"]["batches"] == [1, 4, 256]
+    t = doc["targets"]
+    assert t["fp8_blockgemm vs best vLLM fp8 (need >= 1.15x)"] == \
+        "b1 1.16x PASS, b4 1.51x PASS"                      # 4.4 / 3.8, 5.6 / 3.7
+    assert t["fp8_blockgemm_seqs256 faster than bf16 at batch 256"] == \
+        "9.00 vs 12.00 ms PASS"
+    lp = doc["logprobs"]["fp8_blockgemm"]
+    assert lp["scored"] == "prompt only" and lp["greedy_abs_dlogprob_mean"] is None
+    assert lp["prompt_abs_dlogprob_mean"] == pytest.approx(0.5)

@@ -77,10 +77,11 @@ def test_gemm_on_the_scale_buffer_equals_fp8_linear():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("m", [1, 3, 16, 33, 64, 200])
+@pytest.mark.parametrize("m", [1, 3, 16, 33, 64, 200, 700])   # (700: a program a row)
 @pytest.mark.parametrize("k,residual,weight", [(4096, True, True), (14336, False, True),
                                               (640, True, False)])
-def test_triton_kernel(m, k, residual, weight):
+@pytest.mark.parametrize("groups", [None, 2])   # (2: rows split over programs at any M)
+def test_triton_kernel(m, k, residual, weight, groups):
     """The kernel's fp8 values and scales are exactly quantize_activation of its own
     normalised output, which is the reference's within bf16 rounding (the GPU's rsqrt and
     sum order differ from the CPU's); the new residual is bit-exact; the scale buffer's
@@ -94,7 +95,8 @@ def test_triton_kernel(m, k, residual, weight):
     scale_t.fill_(float("nan"))
     res_out = torch.full_like(x, float("nan")) if residual else None
     y = torch.full_like(x, float("nan"))
-    triton_norm_quant.launch(x, res, w, 1e-6, q, scale_t, res_out, y=y, pdl=True)
+    triton_norm_quant.launch(x, res, w, 1e-6, q, scale_t, res_out, y=y, pdl=True,
+                             groups=groups)
     torch.cuda.synchronize()
     qq, ss = fp8linear.quantize_activation(y)
     assert torch.equal(q.view(torch.uint8), qq.view(torch.uint8))

@@ -66,7 +66,7 @@ def test_compiled_call_uses_the_custom_op():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("m", [1, 3, 16, 33, 64, 200])
+@pytest.mark.parametrize("m", [1, 3, 16, 33, 64, 200, 700])   # (700: bigger programs)
 @pytest.mark.parametrize("d,dtype", [(14336, torch.bfloat16), (640, torch.float16),
                                      (1536, torch.bfloat16)])
 def test_triton_kernel(m, d, dtype):

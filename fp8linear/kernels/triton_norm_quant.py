@@ -10,9 +10,11 @@ residual rounded to the input dtype, fp32 mean of squares, y = (x * rsqrt(var + 
 to the weight's dtype, times the weight, rounded), then quant_group (triton_quant.py), so the
 fp8 values and scales are exactly quantize_activation(y).
 
-A program normalises CG groups of 128 channels of one row; each re-reads the whole row for
-its sum of squares (a few KB from L2), so a row is spread over K / (128 CG) programs: with one
-program a row the kernel ran longer than the hop it removes (at 16 tokens only 16 programs).
+A program normalises CG groups of 128 channels of one row. For few rows a row is spread over
+K / (128 CG) programs, each re-reading the whole row for its sum of squares (a few KB from
+L2): with one program a row the kernel ran longer than the hop it removes (at 16 tokens only
+16 programs). For many rows a program takes the whole row and reads it once
+(heuristics.fused_quant_groups).
 Launched with PDL where the GPU has it: griddepcontrol.wait before the first load,
 launch_dependents after the last, as torch Inductor's kernels do.
 """
@@ -23,15 +25,12 @@ import triton.language as tl
 
 from ..quant import AMAX_EPS, BLOCK, FP8_MAX
 from . import heuristics
-from .triton_quant import _capability, needs_round_first, quant_group
-
-GROUPS_PER_PROGRAM = 4
-
+from .triton_quant import _capability, _sm_count, needs_round_first, quant_group
 
 @triton.jit(do_not_specialize=["s_ld"])     # (ld = M rounded up to 4: no recompile per M)
 def _norm_quant_kernel(x_ptr, res_ptr, w_ptr, res_out_ptr, y_ptr, q_ptr, s_ptr, s_ld, eps,
                        K: tl.constexpr, BLOCK_K: tl.constexpr, CG: tl.constexpr,
-                       HAS_RES: tl.constexpr, HAS_W: tl.constexpr, STORE_Y: tl.constexpr,
+                       WHOLE_ROW: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, STORE_Y: tl.constexpr,
                        USE_GDC: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
                        ROUND_FIRST: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -43,18 +42,24 @@ def _norm_quant_kernel(x_ptr, res_ptr, w_ptr, res_out_ptr, y_ptr, q_ptr, s_ptr, 
     mmask = mine < K
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
-    x = tl.load(x_ptr + row * K + cols, mask=mask, other=0.0).to(tl.float32)
     xm = tl.load(x_ptr + row * K + mine, mask=mmask, other=0.0).to(tl.float32)
     if HAS_RES:
-        x += tl.load(res_ptr + row * K + cols, mask=mask, other=0.0).to(tl.float32)
         xm += tl.load(res_ptr + row * K + mine, mask=mmask, other=0.0).to(tl.float32)
+    if not WHOLE_ROW:       # the rest of the row, for the sum of squares
+        x = tl.load(x_ptr + row * K + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            x += tl.load(res_ptr + row * K + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_W:
         w = tl.load(w_ptr + mine, mask=mmask, other=0.0)
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
     if HAS_RES:
         tl.store(res_out_ptr + row * K + mine, xm.to(res_out_ptr.dtype.element_ty), mask=mmask)
-    inv = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+    if WHOLE_ROW:
+        ss = tl.sum(tl.sum(xm * xm, axis=1), axis=0)
+    else:
+        ss = tl.sum(x * x, axis=0)
+    inv = tl.rsqrt(ss / K + eps)
     y = xm * inv
     if HAS_W:
         # rounded to the weight's dtype, times the weight: the fp32 product of two 16-bit
@@ -68,7 +73,7 @@ def _norm_quant_kernel(x_ptr, res_ptr, w_ptr, res_out_ptr, y_ptr, q_ptr, s_ptr, 
     tl.store(s_ptr + g.to(tl.int64) * s_ld + row, s, mask=g * 128 < K)
 
 
-def launch(x, residual, weight, eps, q, scale_t, residual_out, y=None, pdl=None):
+def launch(x, residual, weight, eps, q, scale_t, residual_out, y=None, pdl=None, groups=None):
     """x [M, K] (+ residual) -> q [M, K] fp8, scale_t [K/128, ld] fp32 (token m's scale of
     group g at [g, m]), residual_out = x + residual; y, if given, receives the normalised
     output (tests). pdl: None = where the GPU has it (sm_90+) and FP8LINEAR_PDL allows.
@@ -76,12 +81,16 @@ def launch(x, residual, weight, eps, q, scale_t, residual_out, y=None, pdl=None)
     if pdl is None:
         pdl = _capability(x.device.index or 0)[0] >= 9 and heuristics.pdl_enabled()
     m, k = x.shape
-    cg = GROUPS_PER_PROGRAM
+    # (groups: a forced split, for benchmarks and tests)
+    cg = groups or heuristics.fused_quant_groups(m, k // BLOCK, _sm_count(x.device.index or 0),
+                                                 cap=k // BLOCK)
+    warps = heuristics.fused_quant_warps(cg)
     grid = (m, triton.cdiv(k // BLOCK, cg))
     _norm_quant_kernel[grid](
         x, residual if residual is not None else x, weight if weight is not None else x,
         residual_out if residual_out is not None else x, y if y is not None else x, q, scale_t,
         scale_t.stride(0), float(eps), K=k, BLOCK_K=triton.next_power_of_2(k), CG=cg,
+        WHOLE_ROW=cg * BLOCK >= k,
         HAS_RES=residual is not None, HAS_W=weight is not None, STORE_Y=y is not None,
         USE_GDC=pdl, FP8_MAX_C=FP8_MAX, EPS=AMAX_EPS,
-        ROUND_FIRST=needs_round_first(x.device), num_warps=4, launch_pdl=pdl)
+        ROUND_FIRST=needs_round_first(x.device), num_warps=warps, launch_pdl=pdl)

@@ -8,8 +8,9 @@ Numerics: vLLM's native SiluAndMul in x's dtype (silu in fp32, x / (1 + exp(-x))
 computes it, rounded; times the up half, rounded), then quant_group (triton_quant.py), so the
 fp8 values and scales are quantize_activation of that product.
 
-A program takes CG groups of 128 output channels of one row (its gate and up halves: 1 KB of
-input a group). Launched with PDL where the GPU has it, as triton_norm_quant.py is.
+A program takes CG groups of 128 output channels of one row (its gate and up halves: 512 bytes
+of input a group): 4 for few rows, so that decode sizes make hundreds of programs, up to 16
+for many (heuristics.fused_quant_groups). Launched with PDL where the GPU has it, as triton_norm_quant.py is.
 """
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ import triton.language as tl
 
 from ..quant import AMAX_EPS, FP8_MAX
 from . import heuristics
-from .triton_quant import _capability, needs_round_first, quant_group
+from .triton_quant import _capability, _sm_count, needs_round_first, quant_group
 
-GROUPS_PER_PROGRAM = 4
+# the most groups a program takes (2048 outputs): the rows make the parallelism beyond that
+MAX_GROUPS_PER_PROGRAM = 16
 
 
 @triton.jit(do_not_specialize=["s_ld"])     # (ld = M rounded up to 4: no recompile per M)
@@ -49,7 +51,7 @@ def _silu_mul_quant_kernel(x_ptr, y_ptr, q_ptr, s_ptr, s_ld, D: tl.constexpr,
     tl.store(s_ptr + g.to(tl.int64) * s_ld + row, s, mask=g * 128 < D)
 
 
-def launch(x, q, scale_t, y=None, pdl=None):
+def launch(x, q, scale_t, y=None, pdl=None, groups=None):
     """x [M, 2d] -> q [M, d] fp8, scale_t [d/128, ld] fp32 (token m's scale of group g at
     [g, m]); y, if given, receives silu(x[:, :d]) * x[:, d:] (tests). pdl: None = where the
     GPU has it (sm_90+) and FP8LINEAR_PDL allows. Validated by the caller
@@ -57,9 +59,12 @@ def launch(x, q, scale_t, y=None, pdl=None):
     if pdl is None:
         pdl = _capability(x.device.index or 0)[0] >= 9 and heuristics.pdl_enabled()
     m, d = x.shape[0], x.shape[1] // 2
-    cg = GROUPS_PER_PROGRAM
+    # (groups: a forced split, for benchmarks and tests)
+    cg = groups or heuristics.fused_quant_groups(m, d // 128, _sm_count(x.device.index or 0),
+                                                 cap=MAX_GROUPS_PER_PROGRAM)
+    warps = heuristics.fused_quant_warps(cg)
     grid = (m, triton.cdiv(d // 128, cg))
     _silu_mul_quant_kernel[grid](
         x, y if y is not None else x, q, scale_t, scale_t.stride(0), D=d, CG=cg,
         STORE_Y=y is not None, USE_GDC=pdl, FP8_MAX_C=FP8_MAX, EPS=AMAX_EPS,
-        ROUND_FIRST=needs_round_first(x.device), num_warps=4, launch_pdl=pdl)
+        ROUND_FIRST=needs_round_first(x.device), num_warps=warps, launch_pdl=pdl)

@@ -339,3 +339,13 @@ def test_decode_max_m_knob(monkeypatch):
 ])
 def test_narrow_n_mid_m_tiles(m, n, k, config):
     assert h.sm90_plan(m, n, k, SMS) == ("gemm", config)
+
+
+@pytest.mark.parametrize("m,groups,cap,cg", [
+    (1, 32, 32, 4), (64, 112, 112, 4), (131, 32, 32, 4),   # decode sizes: 4 groups a program
+    (132, 32, 32, 32), (8192, 32, 32, 32),                 # a row an SM on: the whole row
+    (8192, 112, 112, 128),                                  # (a power of 2, the rest masked)
+    (8192, 112, 16, 16), (4096, 5, 16, 8)])                 # SiLU-and-mul's cap; short rows
+def test_fused_quant_split(m, groups, cap, cg):
+    assert h.fused_quant_groups(m, groups, 132, cap) == cg
+    assert h.fused_quant_warps(cg) == max(4, min(16, cg // 8))

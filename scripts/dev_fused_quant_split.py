@@ -1,0 +1,75 @@
+"""Device probe (session 16): time of the fused (norm | SiLU-and-mul) + quantization kernels
+at decode and prefill token counts with each kernel's program split: the heuristic's (auto),
+4 groups a program (session 15's fixed split) and the biggest (the norm's whole row, 16 groups
+for SiLU-and-mul).
+
+    python scripts/dev_fused_quant_split.py [--out LOG]
+
+Shapes: Llama 8B's norms (K 4096, with the residual add) and SiLU-and-mul (d 14336). CUDA
+graphs of 20 calls, time per call = median of 30 replays / 20, fresh inputs per shape.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from fp8linear import norm_quant as nq
+from fp8linear.kernels import triton_norm_quant, triton_swiglu_quant
+
+CALLS, REPLAYS = 20, 30
+
+
+def timed(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(CALLS):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(REPLAYS):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / CALLS)
+    return statistics.median(ts)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    ap.add_argument("--ms", default="1,16,64,256,1024,8192")
+    args = ap.parse_args()
+    lines = [f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; us per call"]
+    lines.append(f"{'op':8} {'M':>5} | {'auto':>7} {'g4':>7} {'biggest':>7}")
+    for m in map(int, args.ms.split(",")):
+        k, d = 4096, 14336
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        res = torch.randn(m, k, device="cuda").bfloat16()
+        w = (1 + 0.1 * torch.randn(k, device="cuda")).bfloat16()
+        q, s = nq._buffers(x)
+        r_out = torch.empty_like(x)
+        t = {}
+        for name, g in (("auto", None), ("g4", 4), ("whole", k // 128)):
+            t[name] = timed(lambda g=g: triton_norm_quant.launch(x, res, w, 1e-5, q, s, r_out,
+                                                                 groups=g))
+        lines.append(f"{'norm':8} {m:5} | {t['auto']:7.2f} {t['g4']:7.2f} {t['whole']:7.2f}")
+        xa = (torch.randn(m, 2 * d, device="cuda") * 3).bfloat16()
+        qa, sa = nq._buffers(xa[:, :d])
+        t = {}
+        for name, g in (("auto", None), ("g4", 4), ("whole", 16)):
+            t[name] = timed(lambda g=g: triton_swiglu_quant.launch(xa, qa, sa, groups=g))
+        lines.append(f"{'silu_mul':8} {m:5} | {t['auto']:7.2f} {t['g4']:7.2f} {t['whole']:7.2f}")
+        print(lines[-2], lines[-1], sep="\n", flush=True)
+    if args.out:
+        open(args.out, "w").write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
