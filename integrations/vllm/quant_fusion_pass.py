@@ -57,9 +57,10 @@ def _val(node):
 
 class QuantFusionPass(InductorPass):
     """See the module docstring. ``self.rewritten`` counts the producers (norms, SiLU-and-mul)
-    rewritten by the last call, ``QuantFusionPass.total`` those of the process (logs, tests)."""
+    rewritten by the last call, ``QuantFusionPass.total`` those of the process (logs, tests),
+    ``norms`` and ``acts`` the same by kind."""
 
-    total = 0
+    total = norms = acts = 0
 
     def __init__(self):
         self.rewritten = 0
@@ -90,11 +91,17 @@ class QuantFusionPass(InductorPass):
                 acts_done += self._silu_mul(graph, node)
         self.rewritten = norms_done + acts_done
         if self.rewritten:
-            # once at info level (one line a compiled piece would be dozens), then debug
-            (_log.info if QuantFusionPass.total == 0 else _log.debug)(
+            # at info level for a graph with a kind of rewrite this process had not made yet
+            # (the engine log then shows each kind once; a line per compiled piece would be
+            # dozens), else debug
+            new_kind = (norms_done and not QuantFusionPass.norms) or \
+                (acts_done and not QuantFusionPass.acts)
+            (_log.info if new_kind else _log.debug)(
                 "fp8_blockgemm: %d RMSNorm(s) and %d SiLU-and-mul(s) of this graph now "
                 "quantize their output for the linear layers after them", norms_done, acts_done)
         QuantFusionPass.total += self.rewritten
+        QuantFusionPass.norms += norms_done
+        QuantFusionPass.acts += acts_done
 
     # -- RMSNorm (+ residual add) -> linears
 
