@@ -1,7 +1,7 @@
 """Device probe (session 16): time of the fused (norm | SiLU-and-mul) + quantization kernels
-at decode and prefill token counts with each kernel's program split: the heuristic's (auto),
-4 groups a program (session 15's fixed split) and the biggest (the norm's whole row, 16 groups
-for SiLU-and-mul).
+at decode and prefill token counts with each kernel's program split: the heuristic's (auto)
+and forced ones (--groups; default 4 groups a program, session 15's fixed split, and the
+biggest: the norm's whole row, 16 groups for SiLU-and-mul).
 
     python scripts/dev_fused_quant_split.py [--out LOG]
 
@@ -45,28 +45,30 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--ms", default="1,16,64,256,1024,8192")
+    ap.add_argument("--groups", default="4,max",
+                    help="forced splits timed beside the heuristic's (max: the biggest)")
     args = ap.parse_args()
-    lines = [f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; us per call"]
-    lines.append(f"{'op':8} {'M':>5} | {'auto':>7} {'g4':>7} {'biggest':>7}")
+    k, d = 4096, 14336
+    splits = args.groups.split(",")
+    lines = [f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; us per call",
+             f"{'op':8} {'M':>5} | {'auto':>7} " + " ".join(f"{'g' + g:>7}" for g in splits)]
     for m in map(int, args.ms.split(",")):
-        k, d = 4096, 14336
         x = torch.randn(m, k, device="cuda").bfloat16()
         res = torch.randn(m, k, device="cuda").bfloat16()
         w = (1 + 0.1 * torch.randn(k, device="cuda")).bfloat16()
         q, s = nq._buffers(x)
         r_out = torch.empty_like(x)
-        t = {}
-        for name, g in (("auto", None), ("g4", 4), ("whole", k // 128)):
-            t[name] = timed(lambda g=g: triton_norm_quant.launch(x, res, w, 1e-5, q, s, r_out,
-                                                                 groups=g))
-        lines.append(f"{'norm':8} {m:5} | {t['auto']:7.2f} {t['g4']:7.2f} {t['whole']:7.2f}")
         xa = (torch.randn(m, 2 * d, device="cuda") * 3).bfloat16()
         qa, sa = nq._buffers(xa[:, :d])
-        t = {}
-        for name, g in (("auto", None), ("g4", 4), ("whole", 16)):
-            t[name] = timed(lambda g=g: triton_swiglu_quant.launch(xa, qa, sa, groups=g))
-        lines.append(f"{'silu_mul':8} {m:5} | {t['auto']:7.2f} {t['g4']:7.2f} {t['whole']:7.2f}")
-        print(lines[-2], lines[-1], sep="\n", flush=True)
+        for op, biggest, call in (
+                ("norm", k // 128, lambda g: triton_norm_quant.launch(
+                    x, res, w, 1e-5, q, s, r_out, groups=g)),
+                ("silu_mul", triton_swiglu_quant.MAX_GROUPS_PER_PROGRAM,
+                 lambda g: triton_swiglu_quant.launch(xa, qa, sa, groups=g))):
+            ts = [timed(lambda g=g: call(g)) for g in
+                  [None] + [biggest if g == "max" else int(g) for g in splits]]
+            lines.append(f"{op:8} {m:5} | " + " ".join(f"{t:7.2f}" for t in ts))
+            print(lines[-1], flush=True)
     if args.out:
         open(args.out, "w").write("\n".join(lines) + "\n")
 
