@@ -6,39 +6,26 @@ biggest: the norm's whole row, 16 groups for SiLU-and-mul).
     python scripts/dev_fused_quant_split.py [--out LOG]
 
 Shapes: Llama 8B's norms (K 4096, with the residual add) and SiLU-and-mul (d 14336). CUDA
-graphs of 20 calls, time per call = median of 30 replays / 20, fresh inputs per shape.
+graphs of 24 calls (bench_triton_quick's timer), time per call = median of 30 replays / 24,
+fresh inputs per shape.
 """
 from __future__ import annotations
 
 import argparse
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 
 from fp8linear import norm_quant as nq
 from fp8linear.kernels import triton_norm_quant, triton_swiglu_quant
 
-CALLS, REPLAYS = 20, 30
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bench_triton_quick import _graph_time_us  # noqa: E402  (the CUDA-graph timer)
 
 
 def timed(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(CALLS):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(REPLAYS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / CALLS)
-    return statistics.median(ts)
+    return _graph_time_us(lambda i: fn(), copies=1, replays=30)
 
 
 def main():

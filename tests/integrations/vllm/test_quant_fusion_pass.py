@@ -40,8 +40,10 @@ def _targets(gm):
     return [n.target for n in gm.graph.nodes if n.op == "call_function"]
 
 
-def _run(f, args):
-    gm = make_fx(f, tracing_mode="fake")(*args)
+def _run(f, args, decomposed=False):
+    """f's graph (as torch Inductor's decompositions spell it: decomposed) before and after
+    the pass, and both graphs' results."""
+    gm = _decomposed(f, args) if decomposed else make_fx(f, tracing_mode="fake")(*args)
     ref = gm(*args)
     p = QuantFusionPass()
     p(gm.graph)
@@ -139,17 +141,6 @@ def _decomposed(f, args):
     return make_fx(f, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
 
 
-def _run_decomposed(f, args):
-    """As _run, on _decomposed's graph."""
-    gm = _decomposed(f, args)
-    ref = gm(*args)
-    p = QuantFusionPass()
-    p(gm.graph)
-    gm.graph.lint()
-    gm.recompile()
-    return gm, p, ref, gm(*args)
-
-
 def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -181,7 +172,7 @@ def test_silu_and_mul_in_inductors_decomposed_spelling():
     args = (_act(9), wq, ws)
     spelled = _targets(_decomposed(mlp, args))                  # the spelling under test
     assert torch.ops.aten.silu.default not in spelled and torch.ops.aten.exp.default in spelled
-    gm, p, ref, got = _run_decomposed(mlp, args)
+    gm, p, ref, got = _run(mlp, args, decomposed=True)
     assert p.rewritten == 1
     assert torch.ops.fp8linear.silu_mul_quant.default in _targets(gm)
     assert torch.ops.aten.exp.default not in _targets(gm)
