@@ -27,10 +27,12 @@ from ..quant import AMAX_EPS, BLOCK, FP8_MAX
 from . import heuristics
 from .triton_quant import _capability, _sm_count, needs_round_first, quant_group
 
+
 @triton.jit(do_not_specialize=["s_ld"])     # (ld = M rounded up to 4: no recompile per M)
 def _norm_quant_kernel(x_ptr, res_ptr, w_ptr, res_out_ptr, y_ptr, q_ptr, s_ptr, s_ld, eps,
                        K: tl.constexpr, BLOCK_K: tl.constexpr, CG: tl.constexpr,
-                       WHOLE_ROW: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, STORE_Y: tl.constexpr,
+                       WHOLE_ROW: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr,
+                       STORE_Y: tl.constexpr,
                        USE_GDC: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
                        ROUND_FIRST: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

@@ -10,7 +10,8 @@ fp8 values and scales are quantize_activation of that product.
 
 A program takes CG groups of 128 output channels of one row (its gate and up halves: 512 bytes
 of input a group): 4 for few rows, so that decode sizes make hundreds of programs, up to 16
-for many (heuristics.fused_quant_groups). Launched with PDL where the GPU has it, as triton_norm_quant.py is.
+for many (heuristics.fused_quant_groups). Launched with PDL where the GPU has it, as
+triton_norm_quant.py is.
 """
 from __future__ import annotations
 

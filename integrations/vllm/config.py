@@ -96,7 +96,8 @@ class Fp8BlockGemmConfig(compat.QuantizationConfig):
             if compile_config.install_quant_fusion_pass(vllm_config):
                 compat.logger.info(
                     "fp8_blockgemm: RMSNorms and SiLU-and-muls feeding block-FP8 linears "
-                    "quantize their output in the same kernel (a compile pass; %s=0: off)", compile_config.PASS_ENV)
+                    "quantize their output in the same kernel (a compile pass; %s=0: off)",
+                    compile_config.PASS_ENV)
         if isinstance(layer, compat.LinearBase):
             if not self.quantizes(prefix):
                 return compat.UnquantizedLinearMethod()
