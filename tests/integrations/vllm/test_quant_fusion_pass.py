@@ -230,3 +230,31 @@ def test_silu_and_mul_lookalikes_are_left_alone(case):
     assert torch.ops.fp8linear.silu_mul_quant.default not in _targets(gm)
     for r, o in (zip(ref, got) if isinstance(ref, tuple) else [(ref, got)]):
         assert torch.equal(r, o)
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_inductor_compiles_the_rewritten_mlp(device):
+    """The pass installed as Inductor's post_grad_custom_post_pass (as the plugin does) on a
+    real torch.compile of SiLU-and-mul -> linear: it finds Inductor's own spelling of silu, and
+    the compiled result is the eager one within rounding (eager quantizes torch's silu, the
+    compiled graph our kernel's; on the CPU both run the same reference)."""
+    from torch._inductor import config as inductor_config
+    g = torch.Generator().manual_seed(21)
+    wq, ws = fp8linear.quantize_weight(torch.randn(N, D, generator=g).bfloat16())
+    wq, ws = wq.to(device), ws.to(device)
+    x = (torch.randn(M, 2 * D, generator=g) * 3).bfloat16().to(device)
+
+    def mlp(x):
+        return fp8linear.fp8_linear(_silu_mul(x), wq, ws)
+
+    before = QuantFusionPass.acts
+    torch._dynamo.reset()
+    with inductor_config.patch(post_grad_custom_post_pass=QuantFusionPass()):
+        got = torch.compile(mlp, fullgraph=True)(x)
+    assert QuantFusionPass.acts == before + 1
+    ref = mlp(x)
+    assert torch.isfinite(got).all()
+    assert _rel(got, ref) < 2e-3
