@@ -250,9 +250,13 @@ def test_inductor_compiles_the_rewritten_mlp(device):
     def mlp(x):
         return fp8linear.fp8_linear(_silu_mul(x), wq, ws)
 
+    from torch._functorch import config as functorch_config
     before = QuantFusionPass.acts
     torch._dynamo.reset()
-    with inductor_config.patch(post_grad_custom_post_pass=QuantFusionPass()):
+    # (no compile caches: a cached graph would skip the pass, whose run is what is tested)
+    with inductor_config.patch(post_grad_custom_post_pass=QuantFusionPass(),
+                               fx_graph_cache=False), \
+            functorch_config.patch(enable_autograd_cache=False):
         got = torch.compile(mlp, fullgraph=True)(x)
     assert QuantFusionPass.acts == before + 1
     ref = mlp(x)
