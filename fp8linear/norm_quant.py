@@ -30,17 +30,23 @@ def _fail(msg: str):
     raise ValueError(msg)
 
 
-def _check(x, residual, weight):
+def _check_x(x, shape: str, multiple: int, what: str, why: str = ""):
+    """The input of a fused quantization op (``what``): a contiguous 2-D bf16/fp16 ``shape``
+    tensor whose channels are a multiple of ``multiple`` (``why``, if said)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        _fail("x must be a 2-D [M, K] tensor, got "
+        _fail(f"x must be a 2-D {shape} tensor, got "
               + (f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__))
-    m, k = x.shape
     if x.dtype not in _DTYPES:
         _fail(f"x must be bf16 or fp16, got {x.dtype}")
-    if k % BLOCK:
-        _fail(f"x has {k} channels: the fused norm + quantization needs a multiple of {BLOCK}")
+    if x.shape[1] % multiple:
+        _fail(f"x has {x.shape[1]} channels: {what} needs a multiple of {multiple}{why}")
     if not x.is_contiguous():
         _fail(f"x must be contiguous, got strides {x.stride()}")
+
+
+def _check(x, residual, weight):
+    _check_x(x, "[M, K]", BLOCK, "the fused norm + quantization")
+    m, k = x.shape
     for t, name, shape in ((residual, "residual", (m, k)), (weight, "weight", (k,))):
         if t is None:
             continue
@@ -61,6 +67,13 @@ def _buffers(x: torch.Tensor):
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     scale_t = torch.empty((k // BLOCK, (m + 3) // 4 * 4), dtype=torch.float32, device=x.device)
     return q, scale_t
+
+
+def _quantize_into(y: torch.Tensor, q: torch.Tensor, scale_t: torch.Tensor) -> None:
+    """quantize_activation(y) written into _buffers' q and scale_t (the reference path)."""
+    qq, s = quantize_activation(y)
+    q.copy_(qq)
+    scale_t[:, :y.shape[0]].copy_(s.t())
 
 
 def rms_norm_reference(x, residual, weight, eps: float):
@@ -85,9 +98,7 @@ def _impl(x, residual, weight, eps):
             triton_norm_quant.launch(x, residual, weight, eps, q, scale_t, res_out)
         else:
             y, r = rms_norm_reference(x, residual, weight, eps)
-            qq, s = quantize_activation(y)
-            q.copy_(qq)
-            scale_t[:, :x.shape[0]].copy_(s.t())
+            _quantize_into(y, q, scale_t)
             if r is not None:
                 res_out.copy_(r)
     return q, scale_t, res_out

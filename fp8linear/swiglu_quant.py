@@ -15,21 +15,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .norm_quant import _DTYPES, _buffers, _fail
-from .quant import BLOCK, quantize_activation
+from .norm_quant import _buffers, _check_x, _quantize_into
+from .quant import BLOCK
 
 
 def _check(x):
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        _fail("x must be a 2-D [M, 2 * d] tensor, got "
-              + (f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__))
-    if x.dtype not in _DTYPES:
-        _fail(f"x must be bf16 or fp16, got {x.dtype}")
-    if x.shape[1] % (2 * BLOCK):
-        _fail(f"x has {x.shape[1]} channels: SiLU-and-mul + quantization needs a multiple of "
-              f"{2 * BLOCK} (two halves of whole 128-channel groups)")
-    if not x.is_contiguous():
-        _fail(f"x must be contiguous, got strides {x.stride()}")
+    _check_x(x, "[M, 2 * d]", 2 * BLOCK, "SiLU-and-mul + quantization",
+             " (two halves of whole 128-channel groups)")
 
 
 def silu_mul_reference(x: torch.Tensor) -> torch.Tensor:
@@ -46,9 +38,7 @@ def _op_impl(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             from .kernels import triton_swiglu_quant
             triton_swiglu_quant.launch(x, q, scale_t)
         else:
-            qq, s = quantize_activation(silu_mul_reference(x))
-            q.copy_(qq)
-            scale_t[:, :x.shape[0]].copy_(s.t())
+            _quantize_into(silu_mul_reference(x), q, scale_t)
     return q, scale_t
 
 

@@ -25,7 +25,8 @@ import triton.language as tl
 
 from ..quant import AMAX_EPS, BLOCK, FP8_MAX
 from . import heuristics
-from .triton_quant import _capability, _sm_count, needs_round_first, quant_group
+from .triton_gemm import _device_info
+from .triton_quant import _capability, needs_round_first, quant_group
 
 
 @triton.jit(do_not_specialize=["s_ld"])     # (ld = M rounded up to 4: no recompile per M)
@@ -75,18 +76,26 @@ def _norm_quant_kernel(x_ptr, res_ptr, w_ptr, res_out_ptr, y_ptr, q_ptr, s_ptr, 
     tl.store(s_ptr + g.to(tl.int64) * s_ld + row, s, mask=g * 128 < K)
 
 
+def launch_settings(x, groups: int, cap: int, forced=None, pdl=None):
+    """(groups a program, num_warps, pdl) of a fused quantization kernel (this one,
+    triton_swiglu_quant.py) over x's rows of ``groups`` output groups, at most ``cap`` a
+    program (heuristics.fused_quant_groups); ``forced``: a split for benchmarks and tests.
+    pdl: None = where the GPU has it (sm_90+) and FP8LINEAR_PDL allows."""
+    index = x.device.index or 0
+    if pdl is None:
+        pdl = _capability(index)[0] >= 9 and heuristics.pdl_enabled()
+    cg = forced or heuristics.fused_quant_groups(x.shape[0], groups,
+                                                 _device_info(x.device.type, index).sms, cap)
+    return cg, heuristics.fused_quant_warps(cg), pdl
+
+
 def launch(x, residual, weight, eps, q, scale_t, residual_out, y=None, pdl=None, groups=None):
     """x [M, K] (+ residual) -> q [M, K] fp8, scale_t [K/128, ld] fp32 (token m's scale of
     group g at [g, m]), residual_out = x + residual; y, if given, receives the normalised
-    output (tests). pdl: None = where the GPU has it (sm_90+) and FP8LINEAR_PDL allows.
-    Validated by the caller (fp8linear.norm_quant)."""
-    if pdl is None:
-        pdl = _capability(x.device.index or 0)[0] >= 9 and heuristics.pdl_enabled()
+    output (tests). pdl, groups: see launch_settings. Validated by the caller
+    (fp8linear.norm_quant)."""
     m, k = x.shape
-    # (groups: a forced split, for benchmarks and tests)
-    cg = groups or heuristics.fused_quant_groups(m, k // BLOCK, _sm_count(x.device.index or 0),
-                                                 cap=k // BLOCK)
-    warps = heuristics.fused_quant_warps(cg)
+    cg, warps, pdl = launch_settings(x, k // BLOCK, k // BLOCK, groups, pdl)
     grid = (m, triton.cdiv(k // BLOCK, cg))
     _norm_quant_kernel[grid](
         x, residual if residual is not None else x, weight if weight is not None else x,

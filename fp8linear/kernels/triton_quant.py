@@ -78,11 +78,6 @@ def _capability(index: int):
     return torch.cuda.get_device_capability(index)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 @triton.jit(do_not_specialize=["M", "KB"])     # no recompile per batch size
 def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, KB,
                   ROWS: tl.constexpr, GROUPS: tl.constexpr, EVEN_K: tl.constexpr,

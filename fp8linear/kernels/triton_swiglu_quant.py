@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 
 from ..quant import AMAX_EPS, FP8_MAX
-from . import heuristics
-from .triton_quant import _capability, _sm_count, needs_round_first, quant_group
+from .triton_norm_quant import launch_settings
+from .triton_quant import needs_round_first, quant_group
 
 # the most groups a program takes (2048 outputs): the rows make the parallelism beyond that
 MAX_GROUPS_PER_PROGRAM = 16
@@ -54,16 +54,10 @@ def _silu_mul_quant_kernel(x_ptr, y_ptr, q_ptr, s_ptr, s_ld, D: tl.constexpr,
 
 def launch(x, q, scale_t, y=None, pdl=None, groups=None):
     """x [M, 2d] -> q [M, d] fp8, scale_t [d/128, ld] fp32 (token m's scale of group g at
-    [g, m]); y, if given, receives silu(x[:, :d]) * x[:, d:] (tests). pdl: None = where the
-    GPU has it (sm_90+) and FP8LINEAR_PDL allows. Validated by the caller
-    (fp8linear.swiglu_quant)."""
-    if pdl is None:
-        pdl = _capability(x.device.index or 0)[0] >= 9 and heuristics.pdl_enabled()
+    [g, m]); y, if given, receives silu(x[:, :d]) * x[:, d:] (tests). pdl, groups: see
+    triton_norm_quant.launch_settings. Validated by the caller (fp8linear.swiglu_quant)."""
     m, d = x.shape[0], x.shape[1] // 2
-    # (groups: a forced split, for benchmarks and tests)
-    cg = groups or heuristics.fused_quant_groups(m, d // 128, _sm_count(x.device.index or 0),
-                                                 cap=MAX_GROUPS_PER_PROGRAM)
-    warps = heuristics.fused_quant_warps(cg)
+    cg, warps, pdl = launch_settings(x, d // 128, MAX_GROUPS_PER_PROGRAM, groups, pdl)
     grid = (m, triton.cdiv(d // 128, cg))
     _silu_mul_quant_kernel[grid](
         x, y if y is not None else x, q, scale_t, scale_t.stride(0), D=d, CG=cg,
