@@ -57,10 +57,10 @@ def _val(node):
 
 class QuantFusionPass(InductorPass):
     """See the module docstring. ``self.rewritten`` counts the producers (norms, SiLU-and-mul)
-    rewritten by the last call, ``QuantFusionPass.total`` those of the process (logs, tests),
-    ``norms`` and ``acts`` the same by kind."""
+    rewritten by the last call, ``QuantFusionPass.norms`` and ``.acts`` those of the process
+    by kind (logs, tests)."""
 
-    total = norms = acts = 0
+    norms = acts = 0
 
     def __init__(self):
         self.rewritten = 0
@@ -78,7 +78,6 @@ class QuantFusionPass(InductorPass):
                                                      "kernels/triton_swiglu_quant.py")))
 
     def __call__(self, graph: fx.Graph) -> None:
-        self.rewritten = 0
         rms, add_rms = _ir_op("rms_norm"), _ir_op("fused_add_rms_norm")
         norms = {t for t in (rms, add_rms) if t is not None}   # (none: a vLLM without IR ops)
         norms_done = acts_done = 0
@@ -99,7 +98,6 @@ class QuantFusionPass(InductorPass):
             (_log.info if new_kind else _log.debug)(
                 "fp8_blockgemm: %d RMSNorm(s) and %d SiLU-and-mul(s) of this graph now "
                 "quantize their output for the linear layers after them", norms_done, acts_done)
-        QuantFusionPass.total += self.rewritten
         QuantFusionPass.norms += norms_done
         QuantFusionPass.acts += acts_done
 
@@ -123,22 +121,21 @@ class QuantFusionPass(InductorPass):
         if (rest and rest[0] is not None) or node.kwargs or xv is None \
                 or not _fits(x, y, xv.shape[-1]):
             return False
-        fake_mode = _val(x).fake_mode
-        with graph.inserting_before(node), fake_mode:
+        with graph.inserting_before(node), xv.fake_mode:
             if res is not None:
                 target = torch.ops.fp8linear.add_rms_norm_quant.default
                 args = (x, res, w, eps)
-                vals = target(_val(x), _val(res), _val(w), eps)
+                vals = target(xv, _val(res), _val(w), eps)
             else:
                 target = torch.ops.fp8linear.rms_norm_quant.default
                 args = (x, w, eps)
-                vals = target(_val(x), _val(w), eps)
+                vals = target(xv, _val(w), eps)
             fused = _add(graph, target, args, vals)
             if res is not None:
                 new_res = _add(graph, operator.getitem, (fused, 2), vals[2])
                 for r in rs:
                     r.replace_all_uses_with(new_res)
-            _gemms_on(graph, fused, vals, y, _val(x).dtype)
+            _gemms_on(graph, fused, vals, y, xv.dtype)
         # the norm and its outputs, now unused (only these: vLLM's graph is left as it was)
         for dead in rs + ([y] if y is not node else []) + [node]:
             graph.erase_node(dead)
