@@ -388,10 +388,6 @@ def _shape_order(n, k):
     return len(SHAPES) + n * 1e-6 + k * 1e-12
 
 
-_NEIGHBOUR_MODES = {"elem": "elementwise kernel", "norm": "Triton RMSNorm",
-                    "norm_pdl": "PDL-aware RMSNorm"}
-
-
 def target_summary(rows: list[dict], method: str = "fp8linear") -> str:
     """The targets of issues 3 and 4 for `method` against DeepGEMM (b2b rows)."""
     rs = [r for r in rows if r["method"] == method and r.get("mode", "b2b") == "b2b"]
@@ -416,14 +412,15 @@ def target_summary(rows: list[dict], method: str = "fp8linear") -> str:
                    f"(need {need_min}) over {len(b)} points -> {'PASS' if ok else 'FAIL'}")
     # decode runs: the same bands with a kernel between GEMMs, as in a model (benchmarks/
     # neighbour.py: elem = an elementwise kernel, norm_pdl = a PDL-aware norm as Inductor's)
-    modes = [md for md in _NEIGHBOUR_MODES if any(r.get("mode") == md for r in rows)]
+    from neighbour import KINDS      # (beside this file, as bench_gemm imports it)
+    modes = [md for md in KINDS if any(r.get("mode") == md for r in rows)]
     for mode in modes:
         el = [r for r in rows if r["method"] == method and r.get("mode") == mode
               and r.get("speedup_vs_deepgemm")]
         for name, lo, hi in (("M 1-16", 1, 16), ("M 32-256", 32, 256)):
             sp = [r["speedup_vs_deepgemm"] for r in el if lo <= r["M"] <= hi]
             if sp:
-                out.append(f"{method} vs deepgemm {name}, {_NEIGHBOUR_MODES[mode]} between "
+                out.append(f"{method} vs deepgemm {name}, {KINDS[mode]} between "
                            f"GEMMs: geomean {geomean(sp):.3f}, min {min(sp):.3f} over "
                            f"{len(sp)} points")
     # issue 4: fp8_linear (quantization included) within 1 us of the GEMM alone at M <= 16

@@ -569,14 +569,14 @@ def compare_logprobs(results: dict) -> dict:
 
 # fp8_blockgemm against itself with one of the plugin's compile changes off
 VARIANTS = {"pdl_vs_nopdl": ("fp8_blockgemm_nopdl", "Inductor PDL on vs off"),
-            "fuse_vs_nofuse": ("fp8_blockgemm_nofuse", "norm + quantization pass on vs off")}
+            "fuse_vs_nofuse": ("fp8_blockgemm_nofuse", "quantization fusion pass on vs off")}
 
 
 def compare_variant(results: dict, other: str) -> dict:
-    """fp8_blockgemm and `other` (itself with Inductor's PDL off, or with the norm +
-    quantization pass off) compute the same model on the same data: their greedy tokens and
+    """fp8_blockgemm and `other` (itself with Inductor's PDL off, or with the quantization
+    fusion pass off) compute the same model on the same data: their greedy tokens and
     prompt log-probabilities are compared (a missed wait would show here; so do rounding
-    changes, e.g. the fused norm's, and Inductor's compile-time choices, which can differ
+    changes, e.g. the fused kernels', and Inductor's compile-time choices, which can differ
     between engine processes: NOTES, session 14)."""
     a, b = results.get("fp8_blockgemm", {}), results.get(other, {})
     if "tf_logprobs" not in a or "tf_logprobs" not in b:
@@ -603,7 +603,7 @@ def decode_rows(engines: dict) -> list:
 def merge(paths, out) -> int:
     """--merge: one document from several runs' JSON (their headers listed under
     header.merged_from)."""
-    docs, suffixes = [], []
+    docs = []
     for path in paths:
         # PATH@SUFFIX: that run's engines get SUFFIX appended to their names (e.g. an engine
         # run with other settings, kept beside the one of the same name)
@@ -615,7 +615,6 @@ def merge(paths, out) -> int:
             for e in d["engines"].values():
                 e.setdefault("tf_source", "own")
         docs.append(d)
-        suffixes.append(suffix)
     keys = ("model", "prompt_len", "out_len", "compile")
     for d in docs[1:]:
         diff = [k for k in keys if d["header"].get(k) != docs[0]["header"].get(k)]
@@ -704,11 +703,16 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def _per_token(results: dict, name: str) -> dict:
+    """{batch: ms per output token} of engine `name` (empty if it did not run)."""
+    return {d["batch"]: d["per_token_ms"] for d in results.get(name, {}).get("decode", [])
+            if d.get("per_token_ms")}
+
+
 def targets(results: dict, batches) -> dict:
     """Issue 6's decode target: fp8_blockgemm <= best vLLM fp8 / 1.15 at batch 1-64."""
     out = {}
-    ours = {d["batch"]: d["per_token_ms"] for d in results.get("fp8_blockgemm", {})
-            .get("decode", []) if d.get("per_token_ms")}
+    ours = _per_token(results, "fp8_blockgemm")
 
     def best(names):
         fp8 = {}
@@ -716,9 +720,8 @@ def targets(results: dict, batches) -> dict:
         names = [n for n in results if n in names or re.fullmatch(
             "(?:" + "|".join(map(re.escape, names)) + r")_seqs\d+", n)]
         for n in names:
-            for d in results.get(n, {}).get("decode", []):
-                if d.get("per_token_ms"):
-                    fp8[d["batch"]] = min(fp8.get(d["batch"], 1e9), d["per_token_ms"])
+            for b, ms in _per_token(results, n).items():
+                fp8[b] = min(fp8.get(b, 1e9), ms)
         return fp8
 
     for label, names in (("best vLLM fp8", ("fp8_cutlass", "fp8_deepgemm")),
@@ -732,14 +735,12 @@ def targets(results: dict, batches) -> dict:
                 parts.append(f"b{b} {sp:.2f}x {'PASS' if sp >= 1.15 else 'FAIL'}")
         if parts:
             out[f"fp8_blockgemm vs {label} (need >= 1.15x)"] = ", ".join(parts)
-    bf = {d["batch"]: d["per_token_ms"] for d in results.get("bf16", {}).get("decode", [])
-          if d.get("per_token_ms")}
+    bf = _per_token(results, "bf16")
     # (fp8_blockgemm_*: the same engine with other settings, e.g. --b256's max_num_seqs 256
     # kept beside the batch 1-64 run by --merge)
     for name in ["fp8_blockgemm"] + sorted(n for n in results
                                            if n.startswith("fp8_blockgemm_seqs")):
-        mine = {d["batch"]: d["per_token_ms"] for d in results[name].get("decode", [])
-                if d.get("per_token_ms")} if name in results else {}
+        mine = _per_token(results, name)
         parts = [f"b{b} {bf[b] / mine[b]:.2f}x" for b in batches if b in mine and b in bf]
         if parts:
             out[f"{name} speedup vs bf16"] = ", ".join(parts)

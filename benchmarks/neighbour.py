@@ -14,7 +14,8 @@ Three kinds (decode benchmarks time a GEMM after each, as in a model step):
 """
 from __future__ import annotations
 
-KINDS = ("elem", "norm", "norm_pdl")
+# kind -> what it stands for (tables, logs)
+KINDS = {"elem": "elementwise kernel", "norm": "Triton RMSNorm", "norm_pdl": "PDL-aware RMSNorm"}
 
 _kernel = None
 

@@ -100,13 +100,13 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
         return time.perf_counter() - t
 
-    walls = {}
-    for _ in range(3):                  # warm-up (compiled sizes, allocator), then wall times
-        for n in (1, 1 + a.steps):      # unprofiled: best of the last two
-            w = gen(n)
-            walls[n] = min(walls.get(n, w), w) if _ else float("inf")
+    counts = (1, 1 + a.steps)
+    for n in counts:                    # warm-up (compiled sizes, allocator)
+        gen(n)
+    # wall times unprofiled, best of two
+    walls = {n: min(gen(n), gen(n)) for n in counts}
     res = {}
-    for n in (1, 1 + a.steps):
+    for n in counts:
         acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
         with profile(activities=acts) as prof:
             gen(n)
