@@ -11,11 +11,19 @@ Three kinds (decode benchmarks time a GEMM after each, as in a model step):
   qkv_proj, gate_up_proj and down_proj in vLLM under torch.compile once our plugin turns the
   option on; a GEMM launched under PDL then runs its prologue and first weight loads while
   the norm finishes.
+- "fused_norm": fp8linear's residual add + RMSNorm + FP8 quantization (kernels/
+  triton_norm_quant.py, PDL), the kernel our vLLM compile pass puts before qkv_proj and
+  gate_up_proj: its grid (rows x groups of 128 channels) covers every SM at 16+ tokens,
+  unlike norm_pdl's one program a row;
+- "fused_silu": fp8linear's SiLU-and-mul + FP8 quantization (kernels/triton_swiglu_quant.py,
+  PDL) of an [M, 2K] input, the kernel before down_proj under the same pass.
 """
 from __future__ import annotations
 
 # kind -> what it stands for (tables, logs)
-KINDS = {"elem": "elementwise kernel", "norm": "Triton RMSNorm", "norm_pdl": "PDL-aware RMSNorm"}
+KINDS = {"elem": "elementwise kernel", "norm": "Triton RMSNorm", "norm_pdl": "PDL-aware RMSNorm",
+         "fused_norm": "fp8linear's fused add + RMSNorm + quant",
+         "fused_silu": "fp8linear's fused SiLU-and-mul + quant"}
 
 _kernel = None
 
@@ -54,6 +62,18 @@ def make(kind: str, x, gamma, out):
     if kind == "elem":
         import torch
         return lambda: torch.mul(x, gamma, out=out)
+    if kind in ("fused_norm", "fused_silu"):
+        import torch
+        from fp8linear.kernels import triton_norm_quant
+        m, k = x.shape
+        q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+        scale_t = torch.empty(k // 128, (m + 3) // 4 * 4, dtype=torch.float32, device=x.device)
+        if kind == "fused_silu":
+            from fp8linear.kernels import triton_swiglu_quant
+            x2 = torch.randn(m, 2 * k, device=x.device).to(x.dtype)
+            return lambda: triton_swiglu_quant.launch(x2, q, scale_t)
+        res = torch.randn_like(x)
+        return lambda: triton_norm_quant.launch(x, res, gamma, 1e-6, q, scale_t, out)
     import triton
     kernel = _rmsnorm_kernel()
     m, k = x.shape

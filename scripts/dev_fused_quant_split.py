@@ -34,11 +34,14 @@ def main():
     ap.add_argument("--ms", default="1,16,64,256,1024,8192")
     ap.add_argument("--groups", default="4,max",
                     help="forced splits timed beside the heuristic's (max: the biggest)")
+    ap.add_argument("--warps", default="auto",
+                    help="num_warps for each forced split (auto: heuristics.fused_quant_split's)")
     args = ap.parse_args()
     k, d = 4096, 14336
-    splits = args.groups.split(",")
+    combos = [(g, w) for g in args.groups.split(",") for w in args.warps.split(",")]
     lines = [f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; us per call",
-             f"{'op':8} {'M':>5} | {'auto':>7} " + " ".join(f"{'g' + g:>7}" for g in splits)]
+             f"{'op':8} {'M':>5} | {'auto':>7} " +
+             " ".join(f"{'g' + g + ('' if w == 'auto' else 'w' + w):>7}" for g, w in combos)]
     for m in map(int, args.ms.split(",")):
         x = torch.randn(m, k, device="cuda").bfloat16()
         res = torch.randn(m, k, device="cuda").bfloat16()
@@ -48,12 +51,13 @@ def main():
         xa = (torch.randn(m, 2 * d, device="cuda") * 3).bfloat16()
         qa, sa = nq._buffers(xa[:, :d])
         for op, biggest, call in (
-                ("norm", k // 128, lambda g: triton_norm_quant.launch(
-                    x, res, w, 1e-5, q, s, r_out, groups=g)),
+                ("norm", k // 128, lambda g, nw: triton_norm_quant.launch(
+                    x, res, w, 1e-5, q, s, r_out, groups=g, warps=nw)),
                 ("silu_mul", triton_swiglu_quant.MAX_GROUPS_PER_PROGRAM,
-                 lambda g: triton_swiglu_quant.launch(xa, qa, sa, groups=g))):
-            ts = [timed(lambda g=g: call(g)) for g in
-                  [None] + [biggest if g == "max" else int(g) for g in splits]]
+                 lambda g, nw: triton_swiglu_quant.launch(xa, qa, sa, groups=g, warps=nw))):
+            runs = [(None, None)] + [(biggest if g == "max" else int(g),
+                                      None if nw == "auto" else int(nw)) for g, nw in combos]
+            ts = [timed(lambda g=g, nw=nw: call(g, nw)) for g, nw in runs]
             lines.append(f"{op:8} {m:5} | " + " ".join(f"{t:7.2f}" for t in ts))
             print(lines[-1], flush=True)
     if args.out:

@@ -11,7 +11,7 @@ SHAPES=${SHAPES:-6144x4096,4096x4096,28672x4096,4096x14336}
 MS=${MS:-4,8,16,32,64}
 BETWEEN=${BETWEEN:-norm_pdl,elem}
 VARIANTS=${VARIANTS:-"base:;dec:FP8LINEAR_SM90_DECODE_MAX_M=64"}
-CONFIGS=${CONFIGS:-1,6,7,8,9}
+CONFIGS=${CONFIGS-1,6,7,8,9}   # (set empty: no forced configs)
 REPLAYS=${REPLAYS:-10}
 python3 - <<'PY'
 import sys, torch
@@ -20,6 +20,8 @@ import neighbour
 x = torch.randn(16, 4096, device="cuda").bfloat16()
 g = torch.randn(4096, device="cuda").bfloat16()
 for kind in neighbour.KINDS:
+    if kind.startswith("fused_"):  # (fp8 outputs; tests/test_norm_quant.py, test_swiglu_quant.py)
+        continue
     o = torch.full_like(x, float("nan"))
     neighbour.make(kind, x, g, o)()
     xf = x.float()

@@ -14,6 +14,9 @@ namespace {
 struct Config {
   int bm, bn, stages, cluster;
   bool share_a;
+  // 64-row tiles of <= 64 columns need <= 112 registers a thread: built lean
+  // (gemm_kernel.cuh: kLean), so they start beside the previous kernel under PDL
+  constexpr bool lean() const { return bm == 64 && bn <= 64; }
 };
 constexpr Config kConfigs[] = {{128, 128, 5, 1, false}, {64, 128, 8, 1, false},
                                {128, 128, 5, 2, false}, {128, 192, 4, 1, false},
@@ -59,7 +62,8 @@ int max_cluster_ctas(int cluster, int smem, int threads, int num_sms) {
   return cached[dev];
 }
 
-template <int BM, int BN, int STAGES, int CLUSTER, bool kShareA, bool kPerRow, typename OutT>
+template <int BM, int BN, int STAGES, int CLUSTER, bool kShareA, bool kPerRow, bool kLean,
+          typename OutT>
 std::string launch(const GemmArgs& g, cudaStream_t stream) {
   using L = GemmSmem<BM, BN, STAGES>;
   static_assert(L::kAlloc <= 232448, "shared memory over the sm_90 limit");
@@ -97,7 +101,7 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
                                out_swizzle)).empty())
     return e;
 
-  constexpr auto kernel = fp8_gemm_kernel<BM, BN, STAGES, CLUSTER, kShareA, kPerRow, OutT>;
+  constexpr auto kernel = fp8_gemm_kernel<BM, BN, STAGES, CLUSTER, kShareA, kPerRow, kLean, OutT>;
   constexpr int kThreads = L::kThreads;
   cudaError_t err = ensure_smem_limit<kernel>(L::kAlloc);
   if (err != cudaSuccess) return cudaGetErrorString(err);
@@ -109,7 +113,7 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   if (CLUSTER > 1) slots = max_cluster_ctas<kernel>(CLUSTER, L::kAlloc, kThreads, g.num_sms);
   const int grid = units * CLUSTER < slots ? units * CLUSTER : slots;
   const uint32_t stage_bytes = uint32_t(a_rows * kBlockK + L::kBBytes + sa_cols * 4);
-  GemmParams p{g.M, g.N, g.K, num_kb, g.w_scale, g.bias, g.bias_f32, stage_bytes};
+  GemmParams p{g.M, g.N, g.K, num_kb, g.w_scale, g.bias, g.bias_f32, stage_bytes, g.early_b};
   cudaLaunchAttribute attr[2];
   cudaLaunchConfig_t cfg = cluster_launch(grid, kThreads, L::kAlloc, stream, CLUSTER, attr);
   if (g.pdl) attr[cfg.numAttrs++] = pdl_attribute();
@@ -123,12 +127,12 @@ template <int I>
 std::string dispatch_types(const GemmArgs& g, cudaStream_t stream) {
   constexpr Config c = kConfigs[I];
   constexpr int bm = c.bm, bn = c.bn, st = c.stages, cl = c.cluster;
-  constexpr bool sa = c.share_a;
+  constexpr bool sa = c.share_a, ln = c.lean();
   if (g.out_dtype == kOutBF16)
-    return g.w_scale_per_row ? launch<bm, bn, st, cl, sa, true, __nv_bfloat16>(g, stream)
-                             : launch<bm, bn, st, cl, sa, false, __nv_bfloat16>(g, stream);
-  return g.w_scale_per_row ? launch<bm, bn, st, cl, sa, true, __half>(g, stream)
-                           : launch<bm, bn, st, cl, sa, false, __half>(g, stream);
+    return g.w_scale_per_row ? launch<bm, bn, st, cl, sa, true, ln, __nv_bfloat16>(g, stream)
+                             : launch<bm, bn, st, cl, sa, false, ln, __nv_bfloat16>(g, stream);
+  return g.w_scale_per_row ? launch<bm, bn, st, cl, sa, true, ln, __half>(g, stream)
+                           : launch<bm, bn, st, cl, sa, false, ln, __half>(g, stream);
 }
 
 // config index -> its instantiation, for every row of kConfigs (the table is the only list)

@@ -59,6 +59,7 @@ struct GemmParams {
   const void* bias;      // [N] in the output dtype, or fp32 (bias_f32), or nullptr
   bool bias_f32;         // an fp32 bias is added as is, not rounded to the output type first
   uint32_t stage_bytes;  // TMA bytes a stage receives (less than A + B + scales when M < BM)
+  bool early_b;          // load the first tile's weight stages before griddepcontrol.wait
 };
 
 // bias[n], bias[n + 1] as floats, from the output dtype or fp32
@@ -118,8 +119,16 @@ __device__ __forceinline__ void tile_coords(int t, int num_m, int num_n, int& mb
   nb = r / gm;
 }
 
-template <int BM, int BN, int STAGES, int CLUSTER, bool kShareA, bool kPerRowB, typename OutT>
-__global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
+// kLean (64-row tiles of <= 64 columns): built for at most 128 registers a thread (they use
+// 42-112), without the setmaxnreg split, so that a CTA fits beside the previous kernel's CTAs
+// on an SM and starts under PDL while they run; built for the split (232 registers a thread
+// for the math warpgroup: 59K of the SM's 64K) it waits for them to leave the SM. H100,
+// results/2026-11-25_gemm_lean_early_h100.log, block_fp8_gemm after our fused norm kernel at
+// M = 16-128: 4096^2 8.90 -> 7.88 us at M = 64, 4096x7168 13.4 -> 12.3 at M = 32, with its
+// early trigger 4096x14336 24.6 -> 22.9; back to back 0-2% slower.
+template <int BM, int BN, int STAGES, int CLUSTER, bool kShareA, bool kPerRowB, bool kLean,
+          typename OutT>
+__global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 : 1)
     fp8_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,   // [M, K] fp8
                     const __grid_constant__ CUtensorMap tmap_b,   // [N, K] fp8
                     const __grid_constant__ CUtensorMap tmap_sa,  // [num_kb, Mpad] fp32
@@ -134,6 +143,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
                 "one or two math warpgroups; two waves only with 64 registers a partial");
   static_assert(CLUSTER == 1 || CLUSTER == 2, "pairs of CTAs at most");
   static_assert(CLUSTER == 2 || !kShareA, "sharing A needs a pair");
+  static_assert(!kLean || (BM == 64 && BN <= 64), "lean: one math warpgroup, narrow tiles");
   // 128x128 weight-scale blocks: a BN-column tile lies in one block when BN divides 128,
   // else (BN = 48, 96, 160, 192) it can straddle two; the boundary falls on a 32-column
   // multiple (64 for BN = 192; 16 or 32 for BN = 48).
@@ -205,7 +215,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
 
   if (wg == kMathWG) {
     // ------------------------------------------------------------------ producer warpgroup
-    reg_dealloc<40>();
+    if constexpr (!kLean) reg_dealloc<40>();
     FP8L_TILE_WALK
     if (warp_in_wg == 0) {
       if (elect_one()) {
@@ -224,19 +234,40 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
         const uint64_t keep_b = few_m_units ? l2_policy_evict_first() : keep;
         int s = 0;
         uint32_t phase = 0;
-        // Activations (and their scales) come from the previous kernel. (Loading the first
-        // tile's weight stages before this wait: mixed, -1 to +1 us at M = 128-512 with
-        // fp8_linear, the early loads competing with the quant kernel; also in session 5.)
-        pdl_wait();
-        for (int u = first_unit; u < num_units; u += unit_stride) {
+        constexpr uint16_t kBoth = uint16_t((1 << CLUSTER) - 1);
+        // A CTA whose tile lies past M or N (odd tile count) still carries its half of the
+        // shared tile for the peer; it reads a valid tile of its own and stores nothing.
+        auto unit_mn = [&](int u, int& mb, int& nb) {
           int um, un;
           tile_coords(u, num_um, num_un, um, un);
-          // A CTA whose tile lies past M or N (odd tile count) still carries its half of the
-          // shared tile for the peer; it reads a valid tile of its own and stores nothing.
-          const int mb = kShareA ? um : min(um * CLUSTER + rank, num_m - 1);
-          const int nb = kShareA ? min(un * CLUSTER + rank, num_n - 1) : un;
+          mb = kShareA ? um : min(um * CLUSTER + rank, num_m - 1);
+          nb = kShareA ? min(un * CLUSTER + rank, num_n - 1) : un;
+        };
+        auto load_b = [&](int st, int kb, int nb) {
+          if constexpr (CLUSTER == 1 || kShareA) {
+            tma_load_2d(sB + st * L::kBBytes, &tmap_b, &full[st], kb * kBlockK, nb * BN, keep_b);
+          } else {
+            constexpr int kHalf = BN / CLUSTER;
+            tma_load_2d_multicast(sB + st * L::kBBytes + rank * kHalf * kBlockK, &tmap_b,
+                                  &full[st], kb * kBlockK, nb * BN + rank * kHalf, kBoth, keep_b);
+          }
+        };
+        // Weights are not written by the previous kernel: with early_b the first tile's
+        // first stages of weights are requested before griddepcontrol.wait (the stages are
+        // free: nothing ran yet; their full barriers count these bytes once the arrival
+        // below expects them). Activations (and their scales) wait for the previous kernel.
+        int early = 0;
+        if (p.early_b && first_unit < num_units) {
+          int mb, nb;
+          unit_mn(first_unit, mb, nb);
+          early = min(STAGES, p.num_kb);
+          for (int kb = 0; kb < early; ++kb) load_b(kb, kb, nb);
+        }
+        pdl_wait();
+        for (int u = first_unit; u < num_units; u += unit_stride) {
+          int mb, nb;
+          unit_mn(u, mb, nb);
           const int row0 = tile_row0<BM>(mb, p.M);
-          constexpr uint16_t kBoth = uint16_t((1 << CLUSTER) - 1);
           for (int kb = 0; kb < p.num_kb; ++kb) {
             mbar_wait(&empty[s], phase ^ 1);
             if constexpr (CLUSTER == 1 || !kShareA) {
@@ -246,13 +277,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
               tma_load_2d_multicast(sA + s * L::kABytes, &tmap_a, &full[s], kb * kBlockK, row0,
                                     kBoth, keep);
             }
-            if constexpr (CLUSTER == 1 || kShareA) {
-              tma_load_2d(sB + s * L::kBBytes, &tmap_b, &full[s], kb * kBlockK, nb * BN, keep_b);
-            } else {
-              constexpr int kHalf = BN / CLUSTER;
-              tma_load_2d_multicast(sB + s * L::kBBytes + rank * kHalf * kBlockK, &tmap_b,
-                                    &full[s], kb * kBlockK, nb * BN + rank * kHalf, kBoth, keep_b);
-            }
+            if (u != first_unit || kb >= early) load_b(s, kb, nb);
             tma_load_2d(sSA + s * BM, &tmap_sa, &full[s], row0, kb, keep);
             // The copies go out first, then the arrival that expects their bytes (the barrier
             // cannot complete before it): 1-5% faster at M = 64-512 than arriving first
@@ -342,7 +367,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, 1)
     }
   } else {
     // ---------------------------------------------------------------------- math warpgroups
-    reg_alloc<232>();
+    if constexpr (!kLean) reg_alloc<232>();
     pdl_wait();  // (our output may still be read by the previous kernel)
     FP8L_TILE_WALK
     using Mma = WgmmaFp8<BN>;

@@ -310,12 +310,22 @@ def sm90_fuse_quant(m: int, k: int, plan) -> bool:
 
 # The large-M kernel's tile configurations, index = config id; mirrors kConfigs in
 # csrc/sm90/gemm.cu: (BM, BN, stages, cluster size, share_a), where a cluster pair
-# multicasts the activation tile (share_a) or else the weight tile.
+# multicasts the activation tile (share_a) or else the weight tile. 64-row tiles of <= 64
+# columns are built lean (gemm_lean).
 SM90_GEMM_CONFIGS = ((128, 128, 5, 1, False), (64, 128, 8, 1, False), (128, 128, 5, 2, False),
                      (128, 192, 4, 1, False), (256, 128, 3, 1, False), (256, 128, 3, 2, True),
                      (64, 64, 12, 1, False), (128, 64, 8, 1, False), (64, 32, 16, 1, False),
                      (64, 16, 16, 1, False), (128, 96, 6, 1, False), (128, 160, 5, 2, False),
                      (64, 48, 15, 1, False))
+
+
+def gemm_lean(config: int) -> bool:
+    """Is large-M config i built lean (<= 128 registers a thread, no setmaxnreg split: its
+    CTAs fit beside the previous kernel's on an SM, csrc/sm90/gemm_kernel.cuh kLean)?"""
+    bm, bn = SM90_GEMM_CONFIGS[config][:2]
+    return bm == 64 and bn <= 64
+
+
 _FORCE_GEMM = "FP8LINEAR_SM90_GEMM_CONFIG"
 
 
@@ -357,6 +367,31 @@ def _one_wave_of_64x48(m: int, n: int, num_sms: int) -> bool:
     # back, so not there.
     tiles = cdiv(m, 64) * cdiv(n, 48)
     return m <= 64 and 10 * tiles >= 9 * num_sms and tiles <= num_sms
+
+
+_GEMM_EARLY_B = "FP8LINEAR_SM90_GEMM_EARLY_B"
+SM90_GEMM_EARLY_B_MAX_M = 128
+
+
+def sm90_gemm_early_weights(m: int, config: int, after_quant: bool) -> bool:
+    """Let the large-M kernel (under PDL) request its first tile's weight stages before
+    griddepcontrol.wait, while the previous kernel still runs?
+
+    Only where the previous kernel is not our quant kernel (block_fp8_gemm, not fp8_linear),
+    the tile is not built lean, and at decode sizes (<= 128 tokens, as measured). A full-register
+    CTA starts only once the previous kernel's CTAs have left its SM; its early loads then
+    fill the time until that kernel's grid completes. H100,
+    results/2026-11-25_gemm_lean_early_h100.log, 28672x4096 (64x128 tiles) at M = 16-128:
+    after our fused norm kernel (with its early trigger) 43.1 -> 41.4 us at M = 64, back to
+    back 43.3 -> 42.4. A lean CTA runs beside the previous kernel, and its early loads slow
+    that kernel (after the fused norm: 4096^2 x 64 7.90 -> 8.28 us); behind fp8_linear's quant
+    kernel, which lets the GEMM launch at once, they compete with it too (3% geomean slower;
+    in session 8 as well). FP8LINEAR_SM90_GEMM_EARLY_B=0 / 1 forces it.
+    """
+    v = _switch(_GEMM_EARLY_B)
+    if v is not None:
+        return v == "1"
+    return not after_quant and not gemm_lean(config) and m <= SM90_GEMM_EARLY_B_MAX_M
 
 
 def forced_gemm_config() -> int | None:
@@ -706,25 +741,56 @@ def triton_config(m: int, n: int, k: int, a_bytes: int, weight_only: bool,
 
 
 # ------------------------------------------------- fused (norm | SiLU-and-mul) + quantization
-def fused_quant_groups(m: int, groups: int, sms: int, cap: int) -> int:
-    """128-channel groups a program takes (a power of 2) in the Triton kernels that quantize
-    their own output (triton_norm_quant.py, triton_swiglu_quant.py), over m rows of
-    ``groups`` groups, at most ``cap`` groups a program."""
-    # Few rows (decode): 4 groups a program, so that 1-64 tokens still give the GPU hundreds
-    # of programs: with one program a row the norm ran longer than the hop it removes
-    # (session 15; at 64 tokens 2.94 us vs 3.44 for Llama 8B's norm, d 4096). From one row an
-    # SM on, the rows make the parallelism and bigger programs are cheaper; for the norm they
-    # are necessary, since each program re-reads its whole row for the sum of squares: at
-    # 8192 tokens 383 us with 4 groups a program vs 82 with one program a row (at 1024, 19.7
-    # vs 8.1; at 256, 6.1 vs 4.0); SiLU-and-mul with d 14336 at 8192 tokens 277 vs 198 us
-    # with 16 groups (H100, scripts/dev_fused_quant_split.py, session 16).
-    return 4 if m < sms else max(4, min(_next_pow2(groups), _next_pow2(cap)))
+FUSED_QUANT_SPLIT_MIN_ROWS = 32
 
 
-def fused_quant_warps(groups: int) -> int:
-    """num_warps of those kernels' programs of ``groups`` groups: ~32 fp32 values of each
-    operand a thread, so more warps for longer slices (no spills)."""
-    return max(4, min(16, groups * 128 // 1024))
+def fused_quant_split(m: int, groups: int, sms: int, cap: int, whole_row: bool):
+    """(128-channel groups a program, a power of 2; num_warps) of the Triton kernels that
+    quantize their own output over m rows of ``groups`` groups, at most ``cap`` a program:
+    the norm (triton_norm_quant.py, whole_row: a program may take its whole row) and
+    SiLU-and-mul (triton_swiglu_quant.py)."""
+    # Measured on H100 for Llama 8B's norm (K 4096, residual add) and SiLU-and-mul (d 14336),
+    # us per call (scripts/dev_fused_quant_split.py; results/2026-11-25_fused_quant_split_s17
+    # _h100.log; "gCwW": C groups a program, W warps):
+    # - Below 32 rows, 4 groups a program (4 warps), so that decode sizes still give the GPU
+    #   hundreds of programs (norm at 16 rows 2.01 us; the whole row 2.12-3.22; a row a
+    #   program ran longer than the hop it removes, session 15).
+    # - The norm from 32 rows: the whole row with ~8 values of each operand a thread (16
+    #   warps at K 4096): it reads the row once, where a split program re-reads it for the
+    #   sum of squares. 64 rows 2.37 vs 2.62 (g4w4), 128: 2.64 vs 4.69, 256: 3.22 vs 3.95
+    #   (whole row, 4 warps), 1024: 7.50 vs 7.98, 8192: 81.5 vs 82.3 (at 8192 g4w4 383).
+    # - SiLU-and-mul (its groups are independent: no row-wide sum) from 32 rows to one row an
+    #   SM: 8 groups, 8 warps (64 rows 2.70 vs 2.73, 96: 3.43 vs 3.75, 128: 4.17 vs 4.90);
+    #   from there 16 groups, 4 warps (256 rows 6.19, the best; 8192: 198 vs 277 with 4).
+    if m < FUSED_QUANT_SPLIT_MIN_ROWS:
+        return 4, 4
+    if whole_row:
+        cg = _next_pow2(groups)
+        return cg, max(4, min(16, cg * 128 // 256))
+    if m < sms:
+        return min(8, max(4, _next_pow2(groups))), 8
+    cg = max(4, min(_next_pow2(groups), _next_pow2(cap)))
+    return cg, max(4, min(16, cg * 128 // 1024))
+
+
+def fused_quant_early_trigger(m: int, norm: bool) -> bool:
+    """Let the GEMM after a fused norm (norm) / SiLU-and-mul quantization kernel launch (PDL)
+    as soon as the kernel's programs start, instead of after their loads? The GEMM waits for
+    the kernel's completion before it reads the activations either way; earlier, its CTAs
+    that fit beside the kernel's (lean tiles, the decode kernel at two CTAs an SM) run their
+    prologue (and full-register tiles their early weight loads) meanwhile. H100,
+    block_fp8_gemm after the fused kernel, 6 shapes (results/2026-11-25_gemm_lean_early_h100.log,
+    run 4, with fused_quant_split's current rule): after the norm at 1-16 tokens, where its
+    rows are split over many short programs, faster on 16 of 18 points (2112x7168 x 16 9.07 ->
+    8.19 us, 4096x7168 x 1-4 -0.6 / -0.9, 6144x4096 x 16 -0.57; 4096x14336 x 1-4 +0.8 / +1.6,
+    a shape no norm precedes in Llama); from 32 tokens (a program a row) 0.05-0.2 us slower
+    on most points; after SiLU-and-mul mixed (4096^2 x 1-4 and x 32 +0.6 to +1.3, 4096x14336
+    x 128 +1.7; 28672x4096 -0.2 to -0.8): the norm below 32 rows only.
+    FP8LINEAR_FUSED_QUANT_EARLY_TRIGGER=0 / 1 forces it (both kernels)."""
+    v = _switch("FP8LINEAR_FUSED_QUANT_EARLY_TRIGGER")
+    if v is not None:
+        return v == "1"
+    return norm and m < FUSED_QUANT_SPLIT_MIN_ROWS
 
 
 def _next_pow2(x: int) -> int:

@@ -86,6 +86,7 @@ class _Launch(NamedTuple):
     pdl: bool
     early: bool           # decode: early PDL trigger
     gemm_pdl: bool
+    gemm_early_b: bool    # large-M: first weight stages before griddepcontrol.wait
 
 
 _launches: dict = {}
@@ -114,8 +115,10 @@ def _launch(m: int, n: int, k: int, x_dtype, index: int, linear: bool) -> _Launc
             # (a split's partial tile spans the CTA's 64 or 128 rows, however many it owns)
             ws_floats = splits * tiles * bt * (64 if rows == 64 else 128)
         early = heuristics.sm90_decode_early_trigger(plan, tiles, num_sms)
+    gemm_pdl = _gemm_pdl()
     got = _Launch(plan, fused, tiles, ws_floats, cluster, heuristics.pdl_enabled(), early,
-                  _gemm_pdl())
+                  gemm_pdl, gemm_pdl and plan[0] == "gemm"
+                  and heuristics.sm90_gemm_early_weights(m, plan[1], linear))
     if heuristics.CACHE_ENV:  # (tests switch knobs between calls: no cache then)
         if len(_launches) >= _MAX_LAUNCHES:
             _launches.clear()
@@ -136,7 +139,7 @@ def _decode(x, x_scale, w, w_scale, bias, out, lp: _Launch, quant_first: bool = 
 def _gemm(a, a_scale_t, w, w_scale, bias, out, lp: _Launch):
     # a_scale_t None: a holds 16/32-bit activations, which the extension quantizes first
     build.load().gemm(a, a_scale_t, w, w_scale, has_row_scales(w_scale, out.shape[1]),
-                      _bias(bias, out), out, lp.plan[1], lp.gemm_pdl, lp.pdl)
+                      _bias(bias, out), out, lp.plan[1], lp.gemm_pdl, lp.pdl, lp.gemm_early_b)
 
 
 def _gemm_pdl() -> bool:

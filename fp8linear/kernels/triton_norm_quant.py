@@ -13,10 +13,11 @@ fp8 values and scales are exactly quantize_activation(y).
 A program normalises CG groups of 128 channels of one row. For few rows a row is spread over
 K / (128 CG) programs, each re-reading the whole row for its sum of squares (a few KB from
 L2): with one program a row the kernel ran longer than the hop it removes (at 16 tokens only
-16 programs). For many rows a program takes the whole row and reads it once
-(heuristics.fused_quant_groups).
+16 programs). From 32 rows a program takes the whole row, 16 warps for K 4096, and reads it
+once (heuristics.fused_quant_split).
 Launched with PDL where the GPU has it: griddepcontrol.wait before the first load,
-launch_dependents after the last, as torch Inductor's kernels do.
+launch_dependents after the last, as torch Inductor's kernels do, or (EARLY_TRIGGER, decode
+sizes: heuristics.fused_quant_early_trigger) right after the wait.
 """
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ def _norm_quant_kernel(x_ptr, res_ptr, w_ptr, res_out_ptr, y_ptr, q_ptr, s_ptr, 
                        K: tl.constexpr, BLOCK_K: tl.constexpr, CG: tl.constexpr,
                        WHOLE_ROW: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr,
                        STORE_Y: tl.constexpr,
-                       USE_GDC: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
-                       ROUND_FIRST: tl.constexpr):
+                       USE_GDC: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
+                       FP8_MAX_C: tl.constexpr, EPS: tl.constexpr, ROUND_FIRST: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     cols = tl.arange(0, BLOCK_K)
@@ -45,6 +46,8 @@ def _norm_quant_kernel(x_ptr, res_ptr, w_ptr, res_out_ptr, y_ptr, q_ptr, s_ptr, 
     mmask = mine < K
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
+        if EARLY_TRIGGER:   # (the next kernel waits for our completion before reading)
+            tl.extra.cuda.gdc_launch_dependents()
     xm = tl.load(x_ptr + row * K + mine, mask=mmask, other=0.0).to(tl.float32)
     if HAS_RES:
         xm += tl.load(res_ptr + row * K + mine, mask=mmask, other=0.0).to(tl.float32)
@@ -54,7 +57,7 @@ def _norm_quant_kernel(x_ptr, res_ptr, w_ptr, res_out_ptr, y_ptr, q_ptr, s_ptr, 
             x += tl.load(res_ptr + row * K + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_W:
         w = tl.load(w_ptr + mine, mask=mmask, other=0.0)
-    if USE_GDC:
+    if USE_GDC and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     if HAS_RES:
         tl.store(res_out_ptr + row * K + mine, xm.to(res_out_ptr.dtype.element_ty), mask=mmask)
@@ -76,26 +79,31 @@ def _norm_quant_kernel(x_ptr, res_ptr, w_ptr, res_out_ptr, y_ptr, q_ptr, s_ptr, 
     tl.store(s_ptr + g.to(tl.int64) * s_ld + row, s, mask=g * 128 < K)
 
 
-def launch_settings(x, groups: int, cap: int, forced=None, pdl=None):
-    """(groups a program, num_warps, pdl) of a fused quantization kernel (this one,
-    triton_swiglu_quant.py) over x's rows of ``groups`` output groups, at most ``cap`` a
-    program (heuristics.fused_quant_groups); ``forced``: a split for benchmarks and tests.
-    pdl: None = where the GPU has it (sm_90+) and FP8LINEAR_PDL allows."""
+def launch_settings(x, groups: int, cap: int, forced=None, pdl=None, warps=None,
+                    norm: bool = True):
+    """(groups a program, num_warps, pdl, early trigger) of a fused quantization kernel (this
+    one, norm; or triton_swiglu_quant.py's) over x's rows of ``groups`` output groups, at most
+    ``cap`` a program (heuristics.fused_quant_split); ``forced`` / ``warps``: a split and
+    warp count for benchmarks and tests. pdl: None = where the GPU has it (sm_90+) and
+    FP8LINEAR_PDL allows."""
     index = x.device.index or 0
+    m = x.shape[0]
     if pdl is None:
         pdl = _capability(index)[0] >= 9 and heuristics.pdl_enabled()
-    cg = forced or heuristics.fused_quant_groups(x.shape[0], groups,
-                                                 _device_info(x.device.type, index).sms, cap)
-    return cg, heuristics.fused_quant_warps(cg), pdl
+    cg, nw = heuristics.fused_quant_split(m, groups, _device_info(x.device.type, index).sms,
+                                          cap, whole_row=norm)
+    early = pdl and heuristics.fused_quant_early_trigger(m, norm)
+    return forced or cg, warps or nw, pdl, early
 
 
-def launch(x, residual, weight, eps, q, scale_t, residual_out, y=None, pdl=None, groups=None):
+def launch(x, residual, weight, eps, q, scale_t, residual_out, y=None, pdl=None, groups=None,
+           warps=None):
     """x [M, K] (+ residual) -> q [M, K] fp8, scale_t [K/128, ld] fp32 (token m's scale of
     group g at [g, m]), residual_out = x + residual; y, if given, receives the normalised
     output (tests). pdl, groups: see launch_settings. Validated by the caller
     (fp8linear.norm_quant)."""
     m, k = x.shape
-    cg, warps, pdl = launch_settings(x, k // BLOCK, k // BLOCK, groups, pdl)
+    cg, warps, pdl, early = launch_settings(x, k // BLOCK, k // BLOCK, groups, pdl, warps)
     grid = (m, triton.cdiv(k // BLOCK, cg))
     _norm_quant_kernel[grid](
         x, residual if residual is not None else x, weight if weight is not None else x,
@@ -103,5 +111,5 @@ def launch(x, residual, weight, eps, q, scale_t, residual_out, y=None, pdl=None,
         scale_t.stride(0), float(eps), K=k, BLOCK_K=triton.next_power_of_2(k), CG=cg,
         WHOLE_ROW=cg * BLOCK >= k,
         HAS_RES=residual is not None, HAS_W=weight is not None, STORE_Y=y is not None,
-        USE_GDC=pdl, FP8_MAX_C=FP8_MAX, EPS=AMAX_EPS,
+        USE_GDC=pdl, EARLY_TRIGGER=early, FP8_MAX_C=FP8_MAX, EPS=AMAX_EPS,
         ROUND_FIRST=needs_round_first(x.device), num_warps=warps, launch_pdl=pdl)

@@ -9,8 +9,8 @@ computes it, rounded; times the up half, rounded), then quant_group (triton_quan
 fp8 values and scales are quantize_activation of that product.
 
 A program takes CG groups of 128 output channels of one row (its gate and up halves: 512 bytes
-of input a group): 4 for few rows, so that decode sizes make hundreds of programs, up to 16
-for many (heuristics.fused_quant_groups). Launched with PDL where the GPU has it, as
+of input a group): 4 for few rows, so that decode sizes make hundreds of programs, 8 or 16
+for more (heuristics.fused_quant_split). Launched with PDL where the GPU has it, as
 triton_norm_quant.py is.
 """
 from __future__ import annotations
@@ -29,17 +29,19 @@ MAX_GROUPS_PER_PROGRAM = 16
 @triton.jit(do_not_specialize=["s_ld"])     # (ld = M rounded up to 4: no recompile per M)
 def _silu_mul_quant_kernel(x_ptr, y_ptr, q_ptr, s_ptr, s_ld, D: tl.constexpr,
                            CG: tl.constexpr, STORE_Y: tl.constexpr, USE_GDC: tl.constexpr,
-                           FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
-                           ROUND_FIRST: tl.constexpr):
+                           EARLY_TRIGGER: tl.constexpr, FP8_MAX_C: tl.constexpr,
+                           EPS: tl.constexpr, ROUND_FIRST: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * CG + tl.arange(0, CG)
     mine = g[:, None] * 128 + tl.arange(0, 128)[None, :]
     mask = mine < D
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
+        if EARLY_TRIGGER:   # (the next kernel waits for our completion before reading)
+            tl.extra.cuda.gdc_launch_dependents()
     a = tl.load(x_ptr + row * (2 * D) + mine, mask=mask, other=0.0)
     b = tl.load(x_ptr + row * (2 * D) + D + mine, mask=mask, other=0.0)
-    if USE_GDC:
+    if USE_GDC and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     af = a.to(tl.float32)
     silu = (af / (1.0 + tl.exp(-af))).to(a.dtype)
@@ -52,14 +54,15 @@ def _silu_mul_quant_kernel(x_ptr, y_ptr, q_ptr, s_ptr, s_ld, D: tl.constexpr,
     tl.store(s_ptr + g.to(tl.int64) * s_ld + row, s, mask=g * 128 < D)
 
 
-def launch(x, q, scale_t, y=None, pdl=None, groups=None):
+def launch(x, q, scale_t, y=None, pdl=None, groups=None, warps=None):
     """x [M, 2d] -> q [M, d] fp8, scale_t [d/128, ld] fp32 (token m's scale of group g at
     [g, m]); y, if given, receives silu(x[:, :d]) * x[:, d:] (tests). pdl, groups: see
     triton_norm_quant.launch_settings. Validated by the caller (fp8linear.swiglu_quant)."""
     m, d = x.shape[0], x.shape[1] // 2
-    cg, warps, pdl = launch_settings(x, d // 128, MAX_GROUPS_PER_PROGRAM, groups, pdl)
+    cg, warps, pdl, early = launch_settings(x, d // 128, MAX_GROUPS_PER_PROGRAM, groups, pdl,
+                                            warps, norm=False)
     grid = (m, triton.cdiv(d // 128, cg))
     _silu_mul_quant_kernel[grid](
         x, y if y is not None else x, q, scale_t, scale_t.stride(0), D=d, CG=cg,
-        STORE_Y=y is not None, USE_GDC=pdl, FP8_MAX_C=FP8_MAX, EPS=AMAX_EPS,
+        STORE_Y=y is not None, USE_GDC=pdl, EARLY_TRIGGER=early, FP8_MAX_C=FP8_MAX, EPS=AMAX_EPS,
         ROUND_FIRST=needs_round_first(x.device), num_warps=warps, launch_pdl=pdl)

@@ -405,6 +405,20 @@ def test_sm90_every_gemm_config(config, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", range(len(heuristics.SM90_GEMM_CONFIGS)))
+def test_sm90_gemm_early_weights(config, monkeypatch):
+    """Every configuration with its first weight stages requested before griddepcontrol.wait
+    (FP8LINEAR_SM90_GEMM_EARLY_B=1), through block_fp8_gemm and fp8_linear (whose GEMM runs
+    behind the quant kernel under PDL): the early loads land in the stages the K loop then
+    reads, for tiles with fewer K blocks than stages too."""
+    _select("sm90", monkeypatch)
+    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_CONFIG", str(config))
+    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_EARLY_B", "1")
+    for i, case in enumerate(_config_cases(config, count=10)):
+        _check_case(case, f"sm90 config {config} early {_case_id(case)}", linear=i % 2 == 1)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", [c for c, cfg in enumerate(heuristics.SM90_GEMM_CONFIGS)
                                     if 128 % cfg[1] != 0 and cfg[1] != 192])
 @pytest.mark.parametrize("per_row", [False, True])

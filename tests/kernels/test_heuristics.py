@@ -341,11 +341,57 @@ def test_narrow_n_mid_m_tiles(m, n, k, config):
     assert h.sm90_plan(m, n, k, SMS) == ("gemm", config)
 
 
-@pytest.mark.parametrize("m,groups,cap,cg", [
-    (1, 32, 32, 4), (64, 112, 112, 4), (131, 32, 32, 4),   # decode sizes: 4 groups a program
-    (132, 32, 32, 32), (8192, 32, 32, 32),                 # a row an SM on: the whole row
-    (8192, 112, 112, 128),                                  # (a power of 2, the rest masked)
-    (8192, 112, 16, 16), (4096, 5, 16, 8)])                 # SiLU-and-mul's cap; short rows
-def test_fused_quant_split(m, groups, cap, cg):
-    assert h.fused_quant_groups(m, groups, 132, cap) == cg
-    assert h.fused_quant_warps(cg) == max(4, min(16, cg // 8))
+@pytest.mark.parametrize("m,groups,cap,whole_row,split", [
+    (1, 32, 32, True, (4, 4)), (31, 112, 16, False, (4, 4)),  # decode sizes: 4 groups a program
+    (32, 32, 32, True, (32, 16)), (8192, 32, 32, True, (32, 16)),  # the norm: its whole row
+    (32, 56, 56, True, (64, 16)),                           # (a power of 2, the rest masked)
+    (64, 16, 16, True, (16, 8)), (64, 4, 4, True, (4, 4)),  # ~8 values of an operand a thread
+    (64, 112, 16, False, (8, 8)), (131, 112, 16, False, (8, 8)),  # SiLU-and-mul below an SM a row
+    (132, 112, 16, False, (16, 4)), (8192, 112, 16, False, (16, 4)),   # then its cap
+    (4096, 5, 16, False, (8, 4))])                          # short rows
+def test_fused_quant_split(m, groups, cap, whole_row, split):
+    assert h.fused_quant_split(m, groups, 132, cap, whole_row) == split
+
+
+def test_gemm_configs_mirror_the_kernel_table():
+    # SM90_GEMM_CONFIGS mirrors kConfigs in csrc/sm90/gemm.cu (index = config id)
+    import re
+    from pathlib import Path
+    src = (Path(__file__).resolve().parents[2] / "csrc" / "sm90" / "gemm.cu").read_text()
+    table = src[src.index("kConfigs[] = {"):]
+    table = table[:table.index("};")]
+    rows = re.findall(r"\{(\d+), (\d+), (\d+), (\d+), (true|false)\}", table)
+    assert [(int(a), int(b), int(c), int(d), e == "true") for a, b, c, d, e in rows] == \
+        list(h.SM90_GEMM_CONFIGS)
+    # the lean rule is the kernel's: 64-row tiles of <= 64 columns
+    assert "return bm == 64 && bn <= 64;" in src
+    assert [c for c in range(len(h.SM90_GEMM_CONFIGS)) if h.gemm_lean(c)] == [6, 8, 9, 12]
+
+
+@pytest.mark.parametrize("m, config, after_quant, early", [
+    (64, 1, False, True),      # 64x128 tiles (full registers) after a fused kernel
+    (1, 0, False, True),
+    (128, 7, False, True),
+    (64, 8, False, False),     # lean tiles run beside the previous kernel: no early loads
+    (64, 12, False, False),
+    (64, 1, True, False),      # behind fp8_linear's quant kernel
+    (129, 1, False, False),    # past the decode sizes measured
+])
+def test_gemm_early_weights_rule(m, config, after_quant, early, monkeypatch):
+    assert h.sm90_gemm_early_weights(m, config, after_quant) is early
+    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_EARLY_B", "0" if early else "1")
+    assert h.sm90_gemm_early_weights(m, config, after_quant) is not early
+    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_EARLY_B", "2")
+    with pytest.raises(ValueError, match="FP8LINEAR_SM90_GEMM_EARLY_B"):
+        h.sm90_gemm_early_weights(m, config, after_quant)
+
+
+def test_fused_quant_early_trigger_rule(monkeypatch):
+    # the norm while its rows are split over programs (< 32 rows); never SiLU-and-mul
+    assert h.fused_quant_early_trigger(1, True) and h.fused_quant_early_trigger(31, True)
+    assert not h.fused_quant_early_trigger(32, True)
+    assert not h.fused_quant_early_trigger(16, False)
+    monkeypatch.setenv("FP8LINEAR_FUSED_QUANT_EARLY_TRIGGER", "0")
+    assert not h.fused_quant_early_trigger(64, True)
+    monkeypatch.setenv("FP8LINEAR_FUSED_QUANT_EARLY_TRIGGER", "1")
+    assert h.fused_quant_early_trigger(4096, True) and h.fused_quant_early_trigger(64, False)
