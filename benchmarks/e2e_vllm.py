@@ -606,11 +606,16 @@ def merge(paths, out) -> int:
     docs = []
     for path in paths:
         # PATH@SUFFIX: that run's engines get SUFFIX appended to their names (e.g. an engine
-        # run with other settings, kept beside the one of the same name)
+        # run with other settings, kept beside the one of the same name); PATH@SUFFIX:A,B
+        # renames engines A and B only
         path, _, suffix = path.partition("@")
+        suffix, _, only = suffix.partition(":")
+        only = set(only.split(",")) if only else None
         with open(path) as f:
             d = json.load(f)
-        d["engines"] = {n + suffix: dict(e, name=n + suffix) for n, e in d["engines"].items()}
+        d["engines"] = {m: dict(e, name=m) for m, e in (
+            (n + suffix if only is None or n in only else n, e)
+            for n, e in d["engines"].items())}
         if "bf16" not in d["engines"]:    # (runs saved before tf_source: own greedy tokens)
             for e in d["engines"].values():
                 e.setdefault("tf_source", "own")

@@ -93,3 +93,17 @@ def test_merge_keeps_a_renamed_run_and_compares_prompt_logprobs_across_runs(E, t
     lp = doc["logprobs"]["fp8_blockgemm"]
     assert lp["scored"] == "prompt only" and lp["greedy_abs_dlogprob_mean"] is None
     assert lp["prompt_abs_dlogprob_mean"] == pytest.approx(0.5)
+
+
+def test_merge_renames_only_the_named_engines(E, tmp_path):
+    """JSON@SUFFIX:A,B renames A and B only: a run of BF16 and our engine at max_num_seqs 256
+    keeps its bf16 as the reference while our engine sits beside the batch 1-64 run's."""
+    pytest.importorskip("matplotlib")
+    a = _run(tmp_path / "a.json", {"fp8_blockgemm": [4.0, 4.0], "bf16": [6.5, 6.6]})
+    b = _run(tmp_path / "b.json", {"fp8_blockgemm": [3.8, 3.7]})
+    out = tmp_path / "m.json"
+    assert E.main(["--merge", a + "@_seqs256:fp8_blockgemm", b, "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert list(doc["engines"]) == ["fp8_blockgemm_seqs256", "bf16", "fp8_blockgemm"]
+    assert doc["engines"]["fp8_blockgemm_seqs256"]["name"] == "fp8_blockgemm_seqs256"
+    assert doc["targets"]["fp8_blockgemm speedup vs bf16"] == "b1 1.71x, b4 1.78x"
