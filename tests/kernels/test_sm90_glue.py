@@ -17,9 +17,11 @@ class Recorder:
     def __init__(self):
         self.calls = []
 
-    def gemm(self, a, a_scale_t, w, w_scale, per_row, bias, out, config, pdl, quant_pdl):
+    def gemm(self, a, a_scale_t, w, w_scale, per_row, bias, out, config, pdl, quant_pdl,
+             early_b):
         self.calls.append(("gemm", dict(a=a, a_scale_t=a_scale_t, per_row=per_row,
-                                         config=config, pdl=pdl, quant_pdl=quant_pdl)))
+                                         config=config, pdl=pdl, quant_pdl=quant_pdl,
+                                         early_b=early_b)))
 
     def decode(self, x, x_scale, w, w_scale, per_row, bias, out, ws_floats, tiles, config,
                rows, splits, ctas_per_sm, pdl, early_trigger, cluster, quant_first):
@@ -87,6 +89,30 @@ def test_linear_large_m_hands_raw_activations_to_the_extension(ext):
     assert kind == "gemm" and g["a"] is x and g["a_scale_t"] is None
     assert g["config"] == heuristics.sm90_plan(m, n, k, 132)[1]
     assert g["pdl"] is True and g["quant_pdl"] is True
+    assert g["early_b"] is False        # behind our quant kernel: no early weight loads
+
+
+@pytest.mark.parametrize("m,n,early", [
+    (64, 28672, True),      # 64x128 tiles (full registers) at decode sizes
+    (64, 4096, False),      # lean 64x32 tiles: they start beside the previous kernel
+    (600, 4096, False),     # past the decode sizes
+])
+def test_gemm_early_weights_follow_the_rule(ext, m, n, early):
+    k = 4096
+    _, a, a_s, w, ws = _operands(m, n, k)
+    sm90.gemm(a, a_s, w, ws, None, _out(m, n))
+    (_, c), = ext.calls
+    assert c["early_b"] is early
+    assert early == heuristics.sm90_gemm_early_weights(m, c["config"], False)
+
+
+def test_gemm_early_weights_need_pdl(ext, monkeypatch):
+    # the early loads only mean something under PDL: with it off they are off too
+    m, n, k = 64, 28672, 4096
+    _, a, a_s, w, ws = _operands(m, n, k)
+    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_PDL", "0")
+    sm90.gemm(a, a_s, w, ws, None, _out(m, n))
+    assert ext.calls[-1][1]["pdl"] is False and ext.calls[-1][1]["early_b"] is False
 
 
 @pytest.mark.parametrize("knob", ["FP8LINEAR_PDL", "FP8LINEAR_SM90_GEMM_PDL"])
