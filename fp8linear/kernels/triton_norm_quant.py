@@ -15,9 +15,10 @@ K / (128 CG) programs, each re-reading the whole row for its sum of squares (a f
 L2): with one program a row the kernel ran longer than the hop it removes (at 16 tokens only
 16 programs). From 32 rows a program takes the whole row, 16 warps for K 4096, and reads it
 once (heuristics.fused_quant_split).
-Launched with PDL where the GPU has it: griddepcontrol.wait before the first load,
-launch_dependents after the last, as torch Inductor's kernels do, or (EARLY_TRIGGER, decode
-sizes: heuristics.fused_quant_early_trigger) right after the wait.
+Launched with PDL where the GPU has it (pdl_acquire / pdl_release): griddepcontrol.wait before
+the first load, launch_dependents after the last, as torch Inductor's kernels do, or
+(EARLY_TRIGGER: the norm below 32 rows, heuristics.fused_quant_early_trigger) right after the
+wait.
 """
 from __future__ import annotations
 
@@ -28,6 +29,23 @@ from ..quant import AMAX_EPS, BLOCK, FP8_MAX
 from . import heuristics
 from .triton_gemm import _device_info
 from .triton_quant import _capability, needs_round_first, quant_group
+
+
+# The PDL protocol of the fused quantization kernels (this one, triton_swiglu_quant.py), in
+# one place: wait for the previous kernel before the first load; let the next kernel launch
+# right after that wait (EARLY_TRIGGER) or after the last load (pdl_release).
+@triton.jit
+def pdl_acquire(USE_GDC: tl.constexpr, EARLY_TRIGGER: tl.constexpr):
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        if EARLY_TRIGGER:   # (the next kernel waits for our completion before reading)
+            tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_release(USE_GDC: tl.constexpr, EARLY_TRIGGER: tl.constexpr):
+    if USE_GDC and not EARLY_TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit(do_not_specialize=["s_ld"])     # (ld = M rounded up to 4: no recompile per M)
@@ -44,10 +62,7 @@ def _norm_quant_kernel(x_ptr, res_ptr, w_ptr, res_out_ptr, y_ptr, q_ptr, s_ptr, 
     g = c * CG + tl.arange(0, CG)
     mine = g[:, None] * 128 + tl.arange(0, 128)[None, :]
     mmask = mine < K
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
-        if EARLY_TRIGGER:   # (the next kernel waits for our completion before reading)
-            tl.extra.cuda.gdc_launch_dependents()
+    pdl_acquire(USE_GDC, EARLY_TRIGGER)
     xm = tl.load(x_ptr + row * K + mine, mask=mmask, other=0.0).to(tl.float32)
     if HAS_RES:
         xm += tl.load(res_ptr + row * K + mine, mask=mmask, other=0.0).to(tl.float32)
@@ -57,8 +72,7 @@ def _norm_quant_kernel(x_ptr, res_ptr, w_ptr, res_out_ptr, y_ptr, q_ptr, s_ptr, 
             x += tl.load(res_ptr + row * K + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_W:
         w = tl.load(w_ptr + mine, mask=mmask, other=0.0)
-    if USE_GDC and not EARLY_TRIGGER:
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_release(USE_GDC, EARLY_TRIGGER)
     if HAS_RES:
         tl.store(res_out_ptr + row * K + mine, xm.to(res_out_ptr.dtype.element_ty), mask=mmask)
     if WHOLE_ROW:

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ..quant import AMAX_EPS, FP8_MAX
-from .triton_norm_quant import launch_settings
+from .triton_norm_quant import launch_settings, pdl_acquire, pdl_release
 from .triton_quant import needs_round_first, quant_group
 
 # the most groups a program takes (2048 outputs): the rows make the parallelism beyond that
@@ -35,14 +35,10 @@ def _silu_mul_quant_kernel(x_ptr, y_ptr, q_ptr, s_ptr, s_ld, D: tl.constexpr,
     g = tl.program_id(1) * CG + tl.arange(0, CG)
     mine = g[:, None] * 128 + tl.arange(0, 128)[None, :]
     mask = mine < D
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
-        if EARLY_TRIGGER:   # (the next kernel waits for our completion before reading)
-            tl.extra.cuda.gdc_launch_dependents()
+    pdl_acquire(USE_GDC, EARLY_TRIGGER)
     a = tl.load(x_ptr + row * (2 * D) + mine, mask=mask, other=0.0)
     b = tl.load(x_ptr + row * (2 * D) + D + mine, mask=mask, other=0.0)
-    if USE_GDC and not EARLY_TRIGGER:
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_release(USE_GDC, EARLY_TRIGGER)
     af = a.to(tl.float32)
     silu = (af / (1.0 + tl.exp(-af))).to(a.dtype)
     # the fp32 product of two 16-bit floats is exact: rounding it once is torch's multiply
