@@ -65,9 +65,9 @@ def make(kind: str, x, gamma, out):
     if kind in ("fused_norm", "fused_silu"):
         import torch
         from fp8linear.kernels import triton_norm_quant
+        from fp8linear.norm_quant import _buffers   # (the ops' fp8 and scale_t outputs)
         m, k = x.shape
-        q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-        scale_t = torch.empty(k // 128, (m + 3) // 4 * 4, dtype=torch.float32, device=x.device)
+        q, scale_t = _buffers(x)                     # (allocated once: the launches reuse them)
         if kind == "fused_silu":
             from fp8linear.kernels import triton_swiglu_quant
             x2 = torch.randn(m, 2 * k, device=x.device).to(x.dtype)
