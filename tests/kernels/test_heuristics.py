@@ -395,3 +395,7 @@ def test_fused_quant_early_trigger_rule(monkeypatch):
     assert not h.fused_quant_early_trigger(64, True)
     monkeypatch.setenv("FP8LINEAR_FUSED_QUANT_EARLY_TRIGGER", "1")
     assert h.fused_quant_early_trigger(4096, True) and h.fused_quant_early_trigger(64, False)
+    monkeypatch.setenv("FP8LINEAR_FUSED_QUANT_EARLY_TRIGGER", "yes")
+    with pytest.raises(ValueError,
+                       match="FP8LINEAR_FUSED_QUANT_EARLY_TRIGGER='yes': expected 0 or 1"):
+        h.fused_quant_early_trigger(16, True)
