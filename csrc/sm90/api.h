@@ -23,7 +23,7 @@ struct GemmArgs {
   int config;             // tile configuration, chosen by fp8linear/kernels/heuristics.py
   int num_sms;
   bool pdl;               // programmatic dependent launch (prologue overlaps the previous kernel)
-  bool early_b;           // (pdl) first weight stages requested before waiting for the previous kernel
+  int early_b;            // (pdl) first weight stages requested before waiting for the previous kernel
 };
 
 // Large-M persistent TMA + wgmma kernel. Returns "" on success, else the error.

@@ -59,7 +59,7 @@ struct GemmParams {
   const void* bias;      // [N] in the output dtype, or fp32 (bias_f32), or nullptr
   bool bias_f32;         // an fp32 bias is added as is, not rounded to the output type first
   uint32_t stage_bytes;  // TMA bytes a stage receives (less than A + B + scales when M < BM)
-  bool early_b;          // load the first tile's weight stages before griddepcontrol.wait
+  int early_b;           // first-tile weight stages requested before griddepcontrol.wait
 };
 
 // bias[n], bias[n + 1] as floats, from the output dtype or fp32
@@ -252,15 +252,15 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
                                   &full[st], kb * kBlockK, nb * BN + rank * kHalf, kBoth, keep_b);
           }
         };
-        // Weights are not written by the previous kernel: with early_b the first tile's
-        // first stages of weights are requested before griddepcontrol.wait (the stages are
-        // free: nothing ran yet; their full barriers count these bytes once the arrival
-        // below expects them). Activations (and their scales) wait for the previous kernel.
+        // Weights are not written by the previous kernel: the first tile's first early_b
+        // stages of weights are requested before griddepcontrol.wait (the stages are free:
+        // nothing ran yet; their full barriers count these bytes once the arrival below
+        // expects them). Activations (and their scales) wait for the previous kernel.
         int early = 0;
-        if (p.early_b && first_unit < num_units) {
+        if (p.early_b > 0 && first_unit < num_units) {
           int mb, nb;
           unit_mn(first_unit, mb, nb);
-          early = min(STAGES, p.num_kb);
+          early = min(min(STAGES, p.num_kb), p.early_b);
           for (int kb = 0; kb < early; ++kb) load_b(kb, kb, nb);
         }
         pdl_wait();

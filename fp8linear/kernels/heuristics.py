@@ -370,28 +370,47 @@ def _one_wave_of_64x48(m: int, n: int, num_sms: int) -> bool:
 
 
 _GEMM_EARLY_B = "FP8LINEAR_SM90_GEMM_EARLY_B"
-SM90_GEMM_EARLY_B_MAX_M = 128
+_GEMM_EARLY_STAGES = "FP8LINEAR_SM90_GEMM_EARLY_STAGES"
+SM90_GEMM_EARLY_B_MAX_M = 256
+SM90_GEMM_EARLY_B_SHORT_K_MAX_M = 128   # K loops of < 8 blocks: up to here only
+# early stages: lean tiles (small weight stages, CTAs resident beside the previous kernel) /
+# full-register tiles (16 KB stages, CTAs placed as the previous kernel's leave)
+SM90_GEMM_EARLY_STAGES_LEAN = 8
+SM90_GEMM_EARLY_STAGES_FULL = 4
 
 
-def sm90_gemm_early_weights(m: int, config: int, after_quant: bool) -> bool:
-    """Let the large-M kernel (under PDL) request its first tile's weight stages before
-    griddepcontrol.wait, while the previous kernel still runs?
+def sm90_gemm_early_weights(m: int, k: int, config: int, after_quant: bool) -> int:
+    """How many of its first tile's weight stages the large-M kernel (under PDL) requests
+    before griddepcontrol.wait, while the previous kernel still runs (0: none)?
 
-    Only where the previous kernel is not our quant kernel (block_fp8_gemm, not fp8_linear),
-    the tile is not built lean, and at decode sizes (<= 128 tokens, as measured). A full-register
-    CTA starts only once the previous kernel's CTAs have left its SM; its early loads then
-    fill the time until that kernel's grid completes. H100,
-    results/2026-11-25_gemm_lean_early_h100.log, 28672x4096 (64x128 tiles) at M = 16-128:
-    after our fused norm kernel (with its early trigger) 43.1 -> 41.4 us at M = 64, back to
-    back 43.3 -> 42.4. A lean CTA runs beside the previous kernel, and its early loads slow
-    that kernel (after the fused norm: 4096^2 x 64 7.90 -> 8.28 us); behind fp8_linear's quant
-    kernel, which lets the GEMM launch at once, they compete with it too (3% geomean slower;
-    in session 8 as well). FP8LINEAR_SM90_GEMM_EARLY_B=0 / 1 forces it.
+    A few, not the whole ring: the early requests share DRAM with the previous kernel (our
+    fused norm or SiLU-and-mul, or the previous GEMM), and a whole ring of them (12-16
+    stages) delays that kernel more than it saves (session 17, lean 64x32 tiles after the
+    fused norm: 4096^2 x 64 7.90 -> 8.28 us). Session 18, H100, M = 8-128 on nine shapes,
+    results/2026-11-26_gemm_early_stages_h100.log, geomean vs session 17's rule (none for
+    lean tiles, the whole ring for full-register ones), after our fused norm / fused
+    SiLU-and-mul / back to back: lean tiles with 8 stages 1.030 / 1.029 / 1.064 (7168x2048 x
+    32 after the norm 7.14 -> 6.38 us, 6144x4096 x 64 11.63 -> 11.23), with 4 1.030 / 1.026 /
+    1.037, the whole ring 1.008 / 0.976 / 1.030; full-register tiles with 4 stages 1.009 /
+    1.019 / 1.007 (8: 1.000 / 1.001 / 0.999). Not behind fp8_linear's quant kernel (it lets
+    the GEMM launch at once, so the early loads compete with the quantization: 4 stages
+    1.005 geomean, min 0.970; the whole ring 0.965). Up to 256 tokens (at 192 / 256 on all 14
+    benchmark shapes, ..._gemm_early_stages_h100.log run 3: 1.028 / 1.022 / 1.022 geomean;
+    2112x7168 x 256 back to back 11.9 -> 11.3 us), where the K loop has 8 blocks or more: over
+    4 K blocks the stages are most of a tile, and after the fused kernels they slowed the
+    256-token GEMM (32768x512 x 256: 14.6 -> 15.9 us; run 4). FP8LINEAR_SM90_GEMM_EARLY_B=0 /
+    1 forces it off / on, FP8LINEAR_SM90_GEMM_EARLY_STAGES=n sets the count (at most the ring).
     """
+    ring = SM90_GEMM_CONFIGS[config][2]
+    stages = _forced_int(_GEMM_EARLY_STAGES, range(1, 65))
+    if stages is None:
+        stages = SM90_GEMM_EARLY_STAGES_LEAN if gemm_lean(config) else SM90_GEMM_EARLY_STAGES_FULL
+    stages = min(stages, ring)
     v = _switch(_GEMM_EARLY_B)
     if v is not None:
-        return v == "1"
-    return not after_quant and not gemm_lean(config) and m <= SM90_GEMM_EARLY_B_MAX_M
+        return stages if v == "1" else 0
+    max_m = SM90_GEMM_EARLY_B_MAX_M if cdiv(k, BLOCK) >= 8 else SM90_GEMM_EARLY_B_SHORT_K_MAX_M
+    return stages if not after_quant and m <= max_m else 0
 
 
 def forced_gemm_config() -> int | None:

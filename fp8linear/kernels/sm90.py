@@ -86,7 +86,7 @@ class _Launch(NamedTuple):
     pdl: bool
     early: bool           # decode: early PDL trigger
     gemm_pdl: bool
-    gemm_early_b: bool    # large-M: first weight stages before griddepcontrol.wait
+    gemm_early_b: int     # large-M: first weight stages before griddepcontrol.wait
 
 
 _launches: dict = {}
@@ -116,9 +116,10 @@ def _launch(m: int, n: int, k: int, x_dtype, index: int, linear: bool) -> _Launc
             ws_floats = splits * tiles * bt * (64 if rows == 64 else 128)
         early = heuristics.sm90_decode_early_trigger(plan, tiles, num_sms)
     gemm_pdl = _gemm_pdl()
+    early_b = (heuristics.sm90_gemm_early_weights(m, k, plan[1], linear)
+               if gemm_pdl and plan[0] == "gemm" else 0)
     got = _Launch(plan, fused, tiles, ws_floats, cluster, heuristics.pdl_enabled(), early,
-                  gemm_pdl, gemm_pdl and plan[0] == "gemm"
-                  and heuristics.sm90_gemm_early_weights(m, plan[1], linear))
+                  gemm_pdl, early_b)
     if heuristics.CACHE_ENV:  # (tests switch knobs between calls: no cache then)
         if len(_launches) >= _MAX_LAUNCHES:
             _launches.clear()

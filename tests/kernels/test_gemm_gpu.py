@@ -405,15 +405,18 @@ def test_sm90_every_gemm_config(config, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("stages", ["", "1", "64"])  # the rule's count, one, the whole ring
 @pytest.mark.parametrize("config", range(len(heuristics.SM90_GEMM_CONFIGS)))
-def test_sm90_gemm_early_weights(config, monkeypatch):
+def test_sm90_gemm_early_weights(config, stages, monkeypatch):
     """Every configuration with its first weight stages requested before griddepcontrol.wait
-    (FP8LINEAR_SM90_GEMM_EARLY_B=1), through block_fp8_gemm and fp8_linear (whose GEMM runs
-    behind the quant kernel under PDL): the early loads land in the stages the K loop then
-    reads, for tiles with fewer K blocks than stages too."""
+    (FP8LINEAR_SM90_GEMM_EARLY_B=1; as many as the rule picks, one, or the whole ring),
+    through block_fp8_gemm and fp8_linear (whose GEMM runs behind the quant kernel under
+    PDL): the early loads land in the stages the K loop then reads, for tiles with fewer K
+    blocks than stages too, and the ring's later stages stay in step."""
     _select("sm90", monkeypatch)
     monkeypatch.setenv("FP8LINEAR_SM90_GEMM_CONFIG", str(config))
     monkeypatch.setenv("FP8LINEAR_SM90_GEMM_EARLY_B", "1")
+    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_EARLY_STAGES", stages)
     for i, case in enumerate(_config_cases(config, count=10)):
         _check_case(case, f"sm90 config {config} early {_case_id(case)}", linear=i % 2 == 1)
 

@@ -368,22 +368,39 @@ def test_gemm_configs_mirror_the_kernel_table():
     assert [c for c in range(len(h.SM90_GEMM_CONFIGS)) if h.gemm_lean(c)] == [6, 8, 9, 12]
 
 
-@pytest.mark.parametrize("m, config, after_quant, early", [
-    (64, 1, False, True),      # 64x128 tiles (full registers) after a fused kernel
-    (1, 0, False, True),
-    (128, 7, False, True),
-    (64, 8, False, False),     # lean tiles run beside the previous kernel: no early loads
-    (64, 12, False, False),
-    (64, 1, True, False),      # behind fp8_linear's quant kernel
-    (129, 1, False, False),    # past the decode sizes measured
+@pytest.mark.parametrize("m, k, config, after_quant, early", [
+    (64, 4096, 1, False, 4),   # 64x128 tiles (full registers): 4 of their 8 stages
+    (1, 4096, 0, False, 4),
+    (128, 4096, 7, False, 4),
+    (64, 4096, 4, False, 3),   # never more than the ring (256x128: 3 stages)
+    (64, 4096, 8, False, 8),   # lean tiles: 8 of their small stages
+    (64, 4096, 12, False, 8),
+    (64, 4096, 1, True, 0),    # behind fp8_linear's quant kernel
+    (64, 4096, 8, True, 0),
+    (256, 1024, 0, False, 4),  # 129-256 tokens where the K loop has >= 8 blocks
+    (256, 896, 5, False, 0),   # ... not over 7
+    (128, 512, 0, False, 4),   # (up to 128 tokens at any K)
+    (257, 4096, 1, False, 0),  # past the sizes measured
 ])
-def test_gemm_early_weights_rule(m, config, after_quant, early, monkeypatch):
-    assert h.sm90_gemm_early_weights(m, config, after_quant) is early
-    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_EARLY_B", "0" if early else "1")
-    assert h.sm90_gemm_early_weights(m, config, after_quant) is not early
+def test_gemm_early_weights_rule(m, k, config, after_quant, early, monkeypatch):
+    assert h.sm90_gemm_early_weights(m, k, config, after_quant) == early
+    ring = h.SM90_GEMM_CONFIGS[config][2]
+    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_EARLY_B", "1")
+    forced = h.sm90_gemm_early_weights(m, k, config, after_quant)
+    assert 0 < forced <= ring and (early == 0 or forced == early)
+    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_EARLY_STAGES", "2")
+    assert h.sm90_gemm_early_weights(m, k, config, after_quant) == 2
+    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_EARLY_STAGES", "64")
+    assert h.sm90_gemm_early_weights(m, k, config, after_quant) == ring
+    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_EARLY_B", "0")
+    assert h.sm90_gemm_early_weights(m, k, config, after_quant) == 0
     monkeypatch.setenv("FP8LINEAR_SM90_GEMM_EARLY_B", "2")
     with pytest.raises(ValueError, match="FP8LINEAR_SM90_GEMM_EARLY_B"):
-        h.sm90_gemm_early_weights(m, config, after_quant)
+        h.sm90_gemm_early_weights(m, k, config, after_quant)
+    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_EARLY_B", "1")
+    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_EARLY_STAGES", "0")
+    with pytest.raises(ValueError, match="FP8LINEAR_SM90_GEMM_EARLY_STAGES"):
+        h.sm90_gemm_early_weights(m, k, config, after_quant)
 
 
 def test_fused_quant_early_trigger_rule(monkeypatch):

@@ -89,21 +89,22 @@ def test_linear_large_m_hands_raw_activations_to_the_extension(ext):
     assert kind == "gemm" and g["a"] is x and g["a_scale_t"] is None
     assert g["config"] == heuristics.sm90_plan(m, n, k, 132)[1]
     assert g["pdl"] is True and g["quant_pdl"] is True
-    assert g["early_b"] is False        # behind our quant kernel: no early weight loads
+    assert g["early_b"] == 0            # behind our quant kernel: no early weight loads
 
 
 @pytest.mark.parametrize("m,n,early", [
-    (64, 28672, True),      # 64x128 tiles (full registers) at decode sizes
-    (64, 4096, False),      # lean 64x32 tiles: they start beside the previous kernel
-    (600, 4096, False),     # past the decode sizes
+    (64, 28672, 4),         # 64x128 tiles (full registers) at decode sizes
+    (64, 4096, 8),          # lean 64x32 tiles: more, smaller stages
+    (200, 4096, 4),         # 129-256 tokens over >= 8 K blocks too
+    (600, 4096, 0),         # past the decode sizes
 ])
 def test_gemm_early_weights_follow_the_rule(ext, m, n, early):
     k = 4096
     _, a, a_s, w, ws = _operands(m, n, k)
     sm90.gemm(a, a_s, w, ws, None, _out(m, n))
     (_, c), = ext.calls
-    assert c["early_b"] is early
-    assert early == heuristics.sm90_gemm_early_weights(m, c["config"], False)
+    assert c["early_b"] == early
+    assert early == heuristics.sm90_gemm_early_weights(m, k, c["config"], False)
 
 
 def test_gemm_early_weights_need_pdl(ext, monkeypatch):
@@ -112,7 +113,7 @@ def test_gemm_early_weights_need_pdl(ext, monkeypatch):
     _, a, a_s, w, ws = _operands(m, n, k)
     monkeypatch.setenv("FP8LINEAR_SM90_GEMM_PDL", "0")
     sm90.gemm(a, a_s, w, ws, None, _out(m, n))
-    assert ext.calls[-1][1]["pdl"] is False and ext.calls[-1][1]["early_b"] is False
+    assert ext.calls[-1][1]["pdl"] is False and ext.calls[-1][1]["early_b"] == 0
 
 
 @pytest.mark.parametrize("knob", ["FP8LINEAR_PDL", "FP8LINEAR_SM90_GEMM_PDL"])
