@@ -3,22 +3,21 @@
 # first weight stages to request before griddepcontrol.wait (FP8LINEAR_SM90_GEMM_EARLY_STAGES
 # with FP8LINEAR_SM90_GEMM_EARLY_B=1) after the kernels a model puts before its GEMMs:
 # block_fp8_gemm after our fused norm / SiLU-and-mul and back to back, fp8_linear after an
-# elementwise kernel. Logs in one archive, $OUT/probe.tgz.
+# elementwise kernel. Each kind runs through scripts/dev_neighbour_sweep.sh; logs in one
+# archive, $OUT/probe.tgz.
 #   STEPS=env,script SCRIPT=scripts/dev_gemm_early_stages.sh bash benchmarks/device_run.sh
-# Knobs: VARIANTS (dev_variants.py syntax), SHAPES, MS, KINDS, REPLAYS.
+# Knobs: VARIANTS (dev_variants.py syntax), SHAPES, MS, KINDS (neighbour kinds or b2b; a
+# _linear suffix times fp8_linear), REPLAYS.
 set -uo pipefail
-OUT=${OUT:-/tmp/fp8linear-out}
-mkdir -p "$OUT/p"
 E=FP8LINEAR_SM90_GEMM_EARLY_B S=FP8LINEAR_SM90_GEMM_EARLY_STAGES
-V=${VARIANTS:-"base:;eb1:$E=1;e2:$E=1,$S=2;e4:$E=1,$S=4;e8:$E=1,$S=8;off:$E=0;base2:"}
-SHAPES=${SHAPES:-6144x4096,4096x7168,4096x4096,4096x14336,28672x4096,2112x7168,7168x2048,10240x8192,8192x8192}
-MS=${MS:-8,16,32,64,128}
+export VARIANTS=${VARIANTS:-"base:;eb1:$E=1;e2:$E=1,$S=2;e4:$E=1,$S=4;e8:$E=1,$S=8;off:$E=0;base2:"}
+export SHAPES=${SHAPES:-6144x4096,4096x7168,4096x4096,4096x14336,28672x4096,2112x7168,7168x2048,10240x8192,8192x8192}
+export MS=${MS:-8,16,32,64,128} REPLAYS=${REPLAYS:-12} CONFIGS="" DG=0
+FINAL=${OUT:-/tmp/fp8linear-out}
+export OUT=$FINAL/p
+mkdir -p "$OUT"
 for kind in ${KINDS:-fused_norm fused_silu b2b elem_linear}; do
-  between=${kind%_linear}
-  python3 scripts/dev_variants.py --shapes "$SHAPES" --m "$MS" \
-    $([ "$between" = b2b ] || echo --between "$between") \
-    $([ "$kind" = "${kind%_linear}" ] || echo --linear) --no-dg \
-    --replays "${REPLAYS:-12}" --variants "$V" --json "$OUT/p/$kind.json" 2>&1 \
-    | tee "$OUT/p/$kind.log" | grep -v "^\["
+  BETWEEN=${kind%_linear} LINEAR=$([ "$kind" = "${kind%_linear}" ] && echo 0 || echo 1) \
+    bash scripts/dev_neighbour_sweep.sh | grep -v "^\["
 done
-tar -C "$OUT" -czf "$OUT/probe.tgz" p && rm -rf "$OUT/p"
+tar -C "$FINAL" -czf "$FINAL/probe.tgz" p && rm -rf "$OUT"
