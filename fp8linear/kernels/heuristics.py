@@ -260,13 +260,19 @@ def sm90_decode_early_trigger(plan, tiles: int, num_sms: int) -> bool:
     after the prologue instead: 7168x2048 (112 CTAs) -3 to -4% block_fp8_gemm / -2 to -6%
     fp8_linear, 6144x4096 (96) -1 to -3%; with splits or over a wave early stays ahead
     (4096^2, 2112x7168: +7 to +27% fp8_linear; 24576x1536, 32768x512: +8 to +12%).
+    Those are all plans of two CTAs an SM, where the early CTAs fit beside ours. A split plan
+    of one CTA an SM within a wave (4096x7168 and 4096x14336 at 1-4 tokens) gains nothing
+    from it: their CTAs wait for ours to leave anyway. Session 19,
+    results/2026-11-26_decode_early_trigger_one_cta_h100.log: 4096x7168 x 1-4 back to back
+    0.8% faster without (block_fp8_gemm 11.34 -> 11.26 us, fp8_linear 12.06 -> 11.93), after
+    an elementwise kernel or a PDL-aware norm unchanged; 4096x14336 unchanged every way.
     FP8LINEAR_SM90_DECODE_EARLY_TRIGGER=0 / 1 forces it.
     """
     v = _switch(_DECODE_EARLY_TRIGGER)
     if v is not None:
         return v == "1"
-    _, _, splits, _, _ = plan
-    return splits > 1 or tiles * splits > num_sms
+    _, _, splits, ctas, _ = plan
+    return (splits > 1 and ctas == 2) or tiles * splits > num_sms
 
 
 def sm90_fuse_quant(m: int, k: int, plan) -> bool:

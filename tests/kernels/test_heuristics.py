@@ -218,6 +218,7 @@ def test_decode_cluster_reduce(m, n, k, cluster, monkeypatch):
     (16, 6144, 4096, False),        # 96 unsplit CTAs
     (1, 4096, 4096, True),          # 2 splits: the next GEMM streams during our reduction
     (1, 2112, 7168, True),          # 4 splits
+    (1, 4096, 7168, False),         # 2 splits of one CTA an SM: the next GEMM's cannot fit
     (1, 24576, 1536, True),         # 192 CTAs: over a wave
 ])
 def test_decode_early_trigger(m, n, k, early, monkeypatch):
