@@ -613,9 +613,8 @@ def merge(paths, out) -> int:
         only = set(only.split(",")) if only else None
         with open(path) as f:
             d = json.load(f)
-        d["engines"] = {m: dict(e, name=m) for m, e in (
-            (n + suffix if only is None or n in only else n, e)
-            for n, e in d["engines"].items())}
+        names = {n: n + suffix if only is None or n in only else n for n in d["engines"]}
+        d["engines"] = {names[n]: dict(e, name=names[n]) for n, e in d["engines"].items()}
         if "bf16" not in d["engines"]:    # (runs saved before tf_source: own greedy tokens)
             for e in d["engines"].values():
                 e.setdefault("tf_source", "own")
