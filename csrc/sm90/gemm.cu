@@ -11,20 +11,21 @@ namespace {
 // when each is used (SM90_GEMM_CONFIGS there mirrors this table). Stages: as many as fit in
 // 227 KB of shared memory next to the epilogue.
 // share_a: a cluster pair shares (multicasts) the activation tile, else the weight tile.
+// queue_next: two math warpgroups with two partial accumulators each (gemm_kernel.cuh
+// kQueueNext), so that K block kb+1's wgmmas are queued before kb's promotion.
 struct Config {
   int bm, bn, stages, cluster;
-  bool share_a;
+  bool share_a, queue_next;
   // 64-row tiles of <= 64 columns need <= 112 registers a thread: built lean
   // (gemm_kernel.cuh: kLean), so they start beside the previous kernel under PDL
   constexpr bool lean() const { return bm == 64 && bn <= 64; }
 };
-constexpr Config kConfigs[] = {{128, 128, 5, 1, false}, {64, 128, 8, 1, false},
-                               {128, 128, 5, 2, false}, {128, 192, 4, 1, false},
-                               {256, 128, 3, 1, false}, {256, 128, 3, 2, true},
-                               {64, 64, 12, 1, false},   {128, 64, 8, 1, false},
-                               {64, 32, 16, 1, false},   {64, 16, 16, 1, false},
-                               {128, 96, 6, 1, false},   {128, 160, 5, 2, false},
-                               {64, 48, 15, 1, false}};
+constexpr Config kConfigs[] = {
+    {128, 128, 5, 1, false, false}, {64, 128, 8, 1, false, false}, {128, 128, 5, 2, false, false},
+    {128, 192, 4, 1, false, false}, {256, 128, 3, 1, false, false}, {256, 128, 3, 2, true, false},
+    {64, 64, 12, 1, false, false},  {128, 64, 8, 1, false, false},  {64, 32, 16, 1, false, false},
+    {64, 16, 16, 1, false, false},  {128, 96, 6, 1, false, false},  {128, 160, 5, 2, false, false},
+    {64, 48, 15, 1, false, false},  {128, 128, 5, 1, false, true}};
 
 // A launch of `grid` CTAs in clusters of `cluster` along x (1: a plain launch, no cluster
 // attribute); `attr` (room for one more) must outlive the config.
@@ -63,7 +64,7 @@ int max_cluster_ctas(int cluster, int smem, int threads, int num_sms) {
 }
 
 template <int BM, int BN, int STAGES, int CLUSTER, bool kShareA, bool kPerRow, bool kLean,
-          typename OutT>
+          bool kQueueNext, typename OutT>
 std::string launch(const GemmArgs& g, cudaStream_t stream) {
   using L = GemmSmem<BM, BN, STAGES>;
   static_assert(L::kAlloc <= 232448, "shared memory over the sm_90 limit");
@@ -101,7 +102,8 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
                                out_swizzle)).empty())
     return e;
 
-  constexpr auto kernel = fp8_gemm_kernel<BM, BN, STAGES, CLUSTER, kShareA, kPerRow, kLean, OutT>;
+  constexpr auto kernel =
+      fp8_gemm_kernel<BM, BN, STAGES, CLUSTER, kShareA, kPerRow, kLean, kQueueNext, OutT>;
   constexpr int kThreads = L::kThreads;
   cudaError_t err = ensure_smem_limit<kernel>(L::kAlloc);
   if (err != cudaSuccess) return cudaGetErrorString(err);
@@ -127,12 +129,12 @@ template <int I>
 std::string dispatch_types(const GemmArgs& g, cudaStream_t stream) {
   constexpr Config c = kConfigs[I];
   constexpr int bm = c.bm, bn = c.bn, st = c.stages, cl = c.cluster;
-  constexpr bool sa = c.share_a, ln = c.lean();
+  constexpr bool sa = c.share_a, ln = c.lean(), qn = c.queue_next;
   if (g.out_dtype == kOutBF16)
-    return g.w_scale_per_row ? launch<bm, bn, st, cl, sa, true, ln, __nv_bfloat16>(g, stream)
-                             : launch<bm, bn, st, cl, sa, false, ln, __nv_bfloat16>(g, stream);
-  return g.w_scale_per_row ? launch<bm, bn, st, cl, sa, true, ln, __half>(g, stream)
-                           : launch<bm, bn, st, cl, sa, false, ln, __half>(g, stream);
+    return g.w_scale_per_row ? launch<bm, bn, st, cl, sa, true, ln, qn, __nv_bfloat16>(g, stream)
+                             : launch<bm, bn, st, cl, sa, false, ln, qn, __nv_bfloat16>(g, stream);
+  return g.w_scale_per_row ? launch<bm, bn, st, cl, sa, true, ln, qn, __half>(g, stream)
+                           : launch<bm, bn, st, cl, sa, false, ln, qn, __half>(g, stream);
 }
 
 // config index -> its instantiation, for every row of kConfigs (the table is the only list)

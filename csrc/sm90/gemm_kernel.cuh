@@ -126,8 +126,9 @@ __device__ __forceinline__ void tile_coords(int t, int num_m, int num_n, int& mb
 // results/2026-11-25_gemm_lean_early_h100.log, block_fp8_gemm after our fused norm kernel at
 // M = 16-128: 4096^2 8.90 -> 7.88 us at M = 64, 4096x7168 13.4 -> 12.3 at M = 32, with its
 // early trigger 4096x14336 24.6 -> 22.9; back to back 0-2% slower.
+// kQueueNext: two math warpgroups keep two partial accumulators as one does (below).
 template <int BM, int BN, int STAGES, int CLUSTER, bool kShareA, bool kPerRowB, bool kLean,
-          typename OutT>
+          bool kQueueNext, typename OutT>
 __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 : 1)
     fp8_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,   // [M, K] fp8
                     const __grid_constant__ CUtensorMap tmap_b,   // [N, K] fp8
@@ -144,6 +145,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
   static_assert(CLUSTER == 1 || CLUSTER == 2, "pairs of CTAs at most");
   static_assert(CLUSTER == 2 || !kShareA, "sharing A needs a pair");
   static_assert(!kLean || (BM == 64 && BN <= 64), "lean: one math warpgroup, narrow tiles");
+  static_assert(!kQueueNext || (BM == 128 && BN <= 128), "queued K blocks: 64 registers a partial");
   // 128x128 weight-scale blocks: a BN-column tile lies in one block when BN divides 128,
   // else (BN = 48, 96, 160, 192) it can straddle two; the boundary falls on a 32-column
   // multiple (64 for BN = 192; 16 or 32 for BN = 48).
@@ -378,10 +380,11 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
     // (in the unrolled loop below) is faster: H100, 128x64 / 128x128 tiles at M = 128-512,
     // +2.3% geomean back to back (up to 8%: 2112x7168 x 512 16.9 -> 15.6 us), +2.2% for
     // fp8_linear after an elementwise kernel; one partial with BM = 64 was 2-4% slower
-    // (results/2026-11-24_gemm_single_partial_ab_h100.log). Per-row B scales keep one (their
-    // promotion needs the registers: ptxas spills otherwise); BN = 192 and two waves (BM =
-    // 256) have two warpgroups anyway.
-    constexpr bool kTwoPartials = kMathWG == 1 && 3 * kRegs <= 192 && !kPerRowB;
+    // (results/2026-11-24_gemm_single_partial_ab_h100.log). Except over short K loops at
+    // 512-2048 tokens (kQueueNext, config 13: heuristics.py says where). Per-row B scales keep
+    // one (their promotion needs the registers: ptxas spills otherwise); BN = 192 and two
+    // waves (BM = 256) have two warpgroups anyway.
+    constexpr bool kTwoPartials = (kMathWG == 1 || kQueueNext) && 3 * kRegs <= 192 && !kPerRowB;
     float acc[kWaves][kRegs];
     float part0[kRegs];
     float part1[kRegs];  // unused (and compiled away) with one partial

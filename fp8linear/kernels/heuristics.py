@@ -315,14 +315,16 @@ def sm90_fuse_quant(m: int, k: int, plan) -> bool:
 
 
 # The large-M kernel's tile configurations, index = config id; mirrors kConfigs in
-# csrc/sm90/gemm.cu: (BM, BN, stages, cluster size, share_a), where a cluster pair
-# multicasts the activation tile (share_a) or else the weight tile. 64-row tiles of <= 64
-# columns are built lean (gemm_lean).
-SM90_GEMM_CONFIGS = ((128, 128, 5, 1, False), (64, 128, 8, 1, False), (128, 128, 5, 2, False),
-                     (128, 192, 4, 1, False), (256, 128, 3, 1, False), (256, 128, 3, 2, True),
-                     (64, 64, 12, 1, False), (128, 64, 8, 1, False), (64, 32, 16, 1, False),
-                     (64, 16, 16, 1, False), (128, 96, 6, 1, False), (128, 160, 5, 2, False),
-                     (64, 48, 15, 1, False))
+# csrc/sm90/gemm.cu: (BM, BN, stages, cluster size, share_a, queue_next), where a cluster
+# pair multicasts the activation tile (share_a) or else the weight tile, and queue_next gives
+# the two math warpgroups two partial accumulators (the next K block's wgmmas queued before
+# a promotion). 64-row tiles of <= 64 columns are built lean (gemm_lean).
+SM90_GEMM_CONFIGS = (
+    (128, 128, 5, 1, False, False), (64, 128, 8, 1, False, False), (128, 128, 5, 2, False, False),
+    (128, 192, 4, 1, False, False), (256, 128, 3, 1, False, False), (256, 128, 3, 2, True, False),
+    (64, 64, 12, 1, False, False), (128, 64, 8, 1, False, False), (64, 32, 16, 1, False, False),
+    (64, 16, 16, 1, False, False), (128, 96, 6, 1, False, False), (128, 160, 5, 2, False, False),
+    (64, 48, 15, 1, False, False), (128, 128, 5, 1, False, True))
 
 
 def gemm_lean(config: int) -> bool:
@@ -355,7 +357,7 @@ _TILE_COST = {(128, 192): 0.9, (256, 128): 0.87, (128, 64): 1.5}
 def _waves_x_area(m: int, n: int, num_sms: int, cfg) -> float:
     # A configuration costs its wave count (a last, partial wave costs a full one) times its
     # tile's time.
-    bm, bn, _, cluster, _ = cfg
+    bm, bn, _, cluster = cfg[:4]
     tiles = cdiv(m, bm) * cdiv(n, bn)
     return (cdiv(tiles, num_sms // cluster * cluster) * bm * bn
             * _TILE_COST.get((bm, bn), 1.0))
@@ -641,6 +643,19 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
     def cost(c):
         return _waves_x_area(m, n, num_sms, SM90_GEMM_CONFIGS[c])
     best = min(candidates, key=cost)
+    if 512 <= m <= 2048 and num_kb <= 16:
+        # Short K loops (<= 16 blocks) at 512-2048 tokens: 128x128 tiles whose two math
+        # warpgroups keep two partial accumulators (config 13: K block kb+1's wgmmas queued
+        # before kb's promotion), over the waves x area pick (256x128 pairs, or 128x192). A
+        # tile here is a few K blocks, so its start, promotions and epilogue weigh more, and the
+        # smaller tiles make finer waves. H100, block_fp8_gemm back to back, two runs on two
+        # machines (results/2026-11-26_gemm_two_partials_128_h100.log): 7168x2048 x 512 / 1024 /
+        # 2048 16.2 -> 14.8, 29.6 -> 27.8, 55.4 -> 53.7 us (run 2: 16.0 -> 15.0, 31.8 -> 30.2,
+        # 60.1 -> 56.9); 32768x512 x 512 / 1024 25.2 -> 23.0, 45.3 -> 42.8; 24576x1536 x 1024 /
+        # 2048 76.4 -> 73.9, 146.8 -> 144.9, but x 512 35.7 -> 36.6. From 4096 tokens mixed
+        # (7168x2048 x 8192 +2%); over longer K loops the single partial wins (config 0 at
+        # 10240x8192 x 1024: 134 us, 142 with two partials).
+        return ("gemm", 13)
     if best == 1 and after_quant and 128 < m <= 192 and cost(0) <= 1.3 * cost(1):
         # Behind the quant kernel three 64x128 CTAs share each weight tile through L2 only as
         # well as their placement lets them (see the 65-128 rule below): 128x128 unless its

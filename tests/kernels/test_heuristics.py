@@ -50,6 +50,14 @@ H100 = h.TritonDevice(SMS, 227 * 1024, False, (9, 0))
     (2048, 2112, 7168, 3),    # 2 waves of 128x192 vs 3 of 128x128 (68 vs 75 us)
     (8192, 2112, 7168, 3),    # 6 waves of 128x192 vs 5 of 256x128 pairs
     (4096, 4096, 4096, 5),    # 4 waves of 256x128 vs 8 of 128x128
+    # short K loops (<= 16 blocks) at 512-2048 tokens: 128x128 with queued K blocks
+    (512, 7168, 2048, 13),    # (16.2 -> 14.8 us against 256x128 pairs)
+    (2048, 7168, 2048, 13),   # (55.4 -> 53.7 against 128x192)
+    (1024, 32768, 512, 13),
+    (2048, 24576, 1536, 13),
+    (256, 32768, 512, 5),     # not below 512 tokens,
+    (4096, 7168, 2048, 5),    # nor above 2048,
+    (1024, 4096, 4096, 5),    # nor over 32 K blocks
 ])
 def test_large_m_configs(m, n, k, config):
     assert h.sm90_plan(m, n, k, SMS) == ("gemm", config)
@@ -361,9 +369,9 @@ def test_gemm_configs_mirror_the_kernel_table():
     src = (Path(__file__).resolve().parents[2] / "csrc" / "sm90" / "gemm.cu").read_text()
     table = src[src.index("kConfigs[] = {"):]
     table = table[:table.index("};")]
-    rows = re.findall(r"\{(\d+), (\d+), (\d+), (\d+), (true|false)\}", table)
-    assert [(int(a), int(b), int(c), int(d), e == "true") for a, b, c, d, e in rows] == \
-        list(h.SM90_GEMM_CONFIGS)
+    rows = re.findall(r"\{(\d+), (\d+), (\d+), (\d+), (true|false), (true|false)\}", table)
+    assert [(int(a), int(b), int(c), int(d), e == "true", f == "true")
+            for a, b, c, d, e, f in rows] == list(h.SM90_GEMM_CONFIGS)
     # the lean rule is the kernel's: 64-row tiles of <= 64 columns
     assert "return bm == 64 && bn <= 64;" in src
     assert [c for c in range(len(h.SM90_GEMM_CONFIGS)) if h.gemm_lean(c)] == [6, 8, 9, 12]
