@@ -156,11 +156,11 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
   constexpr bool kStaticBoundary = kTwoBlocks && BN != 192;
   constexpr int kBoxCols = L::kBoxCols;
   // Who frees a stage: every math lane (it read the stage's B scales itself, and its own
-  // arrival orders that read before the refill) for per-row scales and for the BN = 48 / 96 / 160
-  // tiles (with one arrival per warp after __syncwarp, compute-sanitizer's racecheck flagged
-  // the B-scale warp's next write of the slot for those two in its default mode), else lane
-  // 0 of each warp after __syncwarp.
-  constexpr bool kLaneRelease = kPerRowB || kStaticBoundary;
+  // arrival orders that read before the refill) for per-row scales, for the BN = 48 / 96 / 160
+  // tiles and for kQueueNext (with one arrival per warp after __syncwarp, compute-sanitizer's
+  // racecheck flagged the B-scale warp's next write of the slot for those in its default
+  // mode), else lane 0 of each warp after __syncwarp.
+  constexpr bool kLaneRelease = kPerRowB || kStaticBoundary || kQueueNext;
   extern __shared__ uint8_t smem_raw[];
   // 1024-byte alignment (128B swizzle atoms) as an offset into smem_raw: the compiler keeps
   // knowing the pointers are shared (32-bit addresses, LDS), which it does not through a

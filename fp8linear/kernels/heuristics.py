@@ -643,18 +643,18 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
     def cost(c):
         return _waves_x_area(m, n, num_sms, SM90_GEMM_CONFIGS[c])
     best = min(candidates, key=cost)
-    if 512 <= m <= 2048 and num_kb <= 16:
-        # Short K loops (<= 16 blocks) at 512-2048 tokens: 128x128 tiles whose two math
+    if 512 <= m <= 1024 and num_kb <= 16:
+        # Short K loops (<= 16 blocks) at 512-1024 tokens: 128x128 tiles whose two math
         # warpgroups keep two partial accumulators (config 13: K block kb+1's wgmmas queued
-        # before kb's promotion), over the waves x area pick (256x128 pairs, or 128x192). A
-        # tile here is a few K blocks, so its start, promotions and epilogue weigh more, and the
-        # smaller tiles make finer waves. H100, block_fp8_gemm back to back, two runs on two
-        # machines (results/2026-11-26_gemm_two_partials_128_h100.log): 7168x2048 x 512 / 1024 /
-        # 2048 16.2 -> 14.8, 29.6 -> 27.8, 55.4 -> 53.7 us (run 2: 16.0 -> 15.0, 31.8 -> 30.2,
-        # 60.1 -> 56.9); 32768x512 x 512 / 1024 25.2 -> 23.0, 45.3 -> 42.8; 24576x1536 x 1024 /
-        # 2048 76.4 -> 73.9, 146.8 -> 144.9, but x 512 35.7 -> 36.6. From 4096 tokens mixed
-        # (7168x2048 x 8192 +2%); over longer K loops the single partial wins (config 0 at
-        # 10240x8192 x 1024: 134 us, 142 with two partials).
+        # before kb's promotion), over the waves x area pick (256x128 pairs). A tile here is a
+        # few K blocks, so its start, promotions and epilogue weigh more, and the smaller tiles
+        # make finer waves. H100, block_fp8_gemm back to back, five runs on five machines
+        # (results/2026-11-26_gemm_two_partials_128_h100.log), 256x128 pairs -> config 13:
+        # 7168x2048 x 512 16.2 -> 14.8 us (the other runs 7-9% too), x 1024 29.6 -> 27.8
+        # (2-5%); 32768x512 x 512 25.2 -> 23.0 (7-9%), x 1024 45.3 -> 42.8 (1.4-5%);
+        # 24576x1536 x 512 +0.3 to +2.5%, x 1024 -0.6 to -3.5%. At 2048 tokens mixed (24576x1536
+        # +3% in two runs of four), from 4096 a loss or a tie; over longer K loops the single
+        # partial wins (config 0 at 10240x8192 x 1024: 134 us, 142 with two partials).
         return ("gemm", 13)
     if best == 1 and after_quant and 128 < m <= 192 and cost(0) <= 1.3 * cost(1):
         # Behind the quant kernel three 64x128 CTAs share each weight tile through L2 only as

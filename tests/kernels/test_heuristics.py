@@ -50,14 +50,13 @@ H100 = h.TritonDevice(SMS, 227 * 1024, False, (9, 0))
     (2048, 2112, 7168, 3),    # 2 waves of 128x192 vs 3 of 128x128 (68 vs 75 us)
     (8192, 2112, 7168, 3),    # 6 waves of 128x192 vs 5 of 256x128 pairs
     (4096, 4096, 4096, 5),    # 4 waves of 256x128 vs 8 of 128x128
-    # short K loops (<= 16 blocks) at 512-2048 tokens: 128x128 with queued K blocks
+    # short K loops (<= 16 blocks) at 512-1024 tokens: 128x128 with queued K blocks
     (512, 7168, 2048, 13),    # (16.2 -> 14.8 us against 256x128 pairs)
-    (2048, 7168, 2048, 13),   # (55.4 -> 53.7 against 128x192)
-    (1024, 32768, 512, 13),
-    (2048, 24576, 1536, 13),
+    (1024, 32768, 512, 13),   # (45.3 -> 42.8)
+    (1024, 24576, 1536, 13),
     (256, 32768, 512, 5),     # not below 512 tokens,
-    (4096, 7168, 2048, 5),    # nor above 2048,
-    (1024, 4096, 4096, 5),    # nor over 32 K blocks
+    (2048, 7168, 2048, 3),    # nor above 1024,
+    (1024, 4096, 4096, 5),    # nor over 16 K blocks
 ])
 def test_large_m_configs(m, n, k, config):
     assert h.sm90_plan(m, n, k, SMS) == ("gemm", config)
