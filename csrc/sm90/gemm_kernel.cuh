@@ -381,7 +381,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
     // +2.3% geomean back to back (up to 8%: 2112x7168 x 512 16.9 -> 15.6 us), +2.2% for
     // fp8_linear after an elementwise kernel; one partial with BM = 64 was 2-4% slower
     // (results/2026-11-24_gemm_single_partial_ab_h100.log). Except over short K loops at
-    // 512-2048 tokens (kQueueNext, config 13: heuristics.py says where). Per-row B scales keep
+    // 512-1024 tokens (kQueueNext, config 13: heuristics.py says where). Per-row B scales keep
     // one (their promotion needs the registers: ptxas spills otherwise); BN = 192 and two
     // waves (BM = 256) have two warpgroups anyway.
     constexpr bool kTwoPartials = (kMathWG == 1 || kQueueNext) && 3 * kRegs <= 192 && !kPerRowB;

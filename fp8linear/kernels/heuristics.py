@@ -643,10 +643,10 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
     def cost(c):
         return _waves_x_area(m, n, num_sms, SM90_GEMM_CONFIGS[c])
     best = min(candidates, key=cost)
-    if 512 <= m <= 1024 and num_kb <= 16:
+    if best == 5 and 512 <= m <= 1024 and num_kb <= 16:
         # Short K loops (<= 16 blocks) at 512-1024 tokens: 128x128 tiles whose two math
         # warpgroups keep two partial accumulators (config 13: K block kb+1's wgmmas queued
-        # before kb's promotion), over the waves x area pick (256x128 pairs). A tile here is a
+        # before kb's promotion) instead of the waves x area pick, 256x128 pairs. A tile here is a
         # few K blocks, so its start, promotions and epilogue weigh more, and the smaller tiles
         # make finer waves. H100, block_fp8_gemm back to back, five runs on five machines
         # (results/2026-11-26_gemm_two_partials_128_h100.log), 256x128 pairs -> config 13:
