@@ -204,6 +204,7 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
     for (int e = tid; e < (BT - live) * kbs; e += 256)
       sXS[(e / (BT - live)) * BT + live + e % (BT - live)] = 0.f;
     const uint16_t* xr = static_cast<const uint16_t*>(p.x);
+    const bool fp16 = p.x_dtype == kInFP16;
     const int groups = live * kbs;
     // A group's 128 channels are a half-warp's 16-byte loads (8 channels a lane): one load
     // instruction of a warp serves two groups, a batch of kLoads loads 16 x kLoads groups of
@@ -223,37 +224,56 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
         if (g < groups && k < p.K)
           bits[u] = *reinterpret_cast<const uint4*>(xr + size_t(m0 + t) * p.K + k);
       }
-      // The quant kernel's steps (quant.cuh: amax over the group, scale = amax / 448, x /
-      // scale rounded to e4m3) for the batch's groups side by side, so that their shuffle
-      // reductions overlap. Row t of a K block's [BT x 128] tile, 128B-swizzled like a TMA
-      // box: chunk c at c ^ (t % 8); a lane's 8 bytes are half of chunk hl / 2.
-      float amax[kLoads];
+      // The quant kernel's numerics (quant.cuh: amax over the group, scale = amax / 448, x /
+      // scale rounded to e4m3) in fewer instructions, as this runs after griddepcontrol.wait,
+      // on the critical path back to back: the amax on the 16-bit bits (max.u16x2 of the
+      // magnitudes), two groups a word through the half-warp's shuffle reduction; and where a
+      // lane has 4 or more live groups, one scale division a lane (lane hl: group hl % 8 of
+      // the batch) shared by shuffles instead of one a group (with fewer, the shuffles'
+      // latency costs more than the divisions they save).
+      // Row t of a K block's [BT x 128] tile, 128B-swizzled like a TMA box: chunk c at
+      // c ^ (t % 8); a lane's 8 bytes are half of chunk hl / 2.
+      static_assert(kLoads == 8, "a lane works out the scale of group hl % 8");
+      uint32_t amax2[kLoads / 2];  // groups 2i (low half) and 2i + 1 (high half)
 #pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        float v[8];
-        unpack8(bits[u], p.x_dtype == kInFP16, v);
-        amax[u] = 0.f;
-#pragma unroll
-        for (int q = 0; q < 8; ++q) amax[u] = fmaxf(amax[u], fabsf(v[q]));
+      for (int i = 0; i < kLoads / 2; ++i) {
+        const uint32_t a = amax_bits8(bits[2 * i]), b = amax_bits8(bits[2 * i + 1]);
+        amax2[i] = max_u16x2(__byte_perm(a, b, 0x5410), __byte_perm(a, b, 0x7632));
       }
 #pragma unroll
       for (int o = 8; o > 0; o >>= 1)
 #pragma unroll
-        for (int u = 0; u < kLoads; ++u)
-          amax[u] = fmaxf(amax[u], __shfl_xor_sync(0xffffffffu, amax[u], o));
-#pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
+        for (int i = 0; i < kLoads / 2; ++i)
+          amax2[i] = max_u16x2(amax2[i], __shfl_xor_sync(0xffffffffu, amax2[i], o));
+      auto amax_of = [&](int u) {  // (u: a literal once unrolled)
+        return bits16_to_float((u & 1) ? amax2[u / 2] >> 16 : amax2[u / 2], fp16);
+      };
+      auto emit = [&](int u, const GroupScale& gs) {
         const int g = g0 + 16 * u, t = g / kbs, i = g % kbs;
-        if (g < groups) {
-          const GroupScale gs = group_scale(amax[u]);
-          float v[8];
-          unpack8(bits[u], p.x_dtype == kInFP16, v);
-          uint2 packed;
-          quantize<8>(v, gs, &packed.x);
-          *reinterpret_cast<uint2*>(sX + (i * BT + t) * kBlockK +
-                                    (((hl / 2) ^ (t % 8)) * 16) + (hl % 2) * 8) = packed;
-          if (hl == 0) sXS[i * BT + t] = gs.scale;
+        float v[8];
+        unpack8(bits[u], fp16, v);
+        uint2 packed;
+        quantize<8>(v, gs, &packed.x);
+        *reinterpret_cast<uint2*>(sX + (i * BT + t) * kBlockK + (((hl / 2) ^ (t % 8)) * 16) +
+                                  (hl % 2) * 8) = packed;
+        if (hl == 0) sXS[i * BT + t] = gs.scale();
+      };
+      if (gw + 8 + 16 * 3 < groups) {  // warp-uniform: every lane has >= 4 live groups
+        const int j = hl % 8;
+        const uint32_t wj = (j & 4) ? ((j & 2) ? amax2[3] : amax2[2])
+                                    : ((j & 2) ? amax2[1] : amax2[0]);
+        const GroupScale mine = group_scale(bits16_to_float((j & 1) ? wj >> 16 : wj, fp16));
+#pragma unroll
+        for (int u = 0; u < kLoads; ++u) {
+          const int src = (lane & 16) | u;
+          const GroupScale gs = {__shfl_sync(0xffffffffu, mine.div, src),
+                                 __shfl_sync(0xffffffffu, mine.rcp, src)};
+          if (g0 + 16 * u < groups) emit(u, gs);
         }
+      } else {
+#pragma unroll
+        for (int u = 0; u < kLoads; ++u)
+          if (g0 + 16 * u < groups) emit(u, group_scale(amax_of(u)));
       }
     }
   } else {

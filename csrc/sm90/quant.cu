@@ -83,10 +83,10 @@ __global__ void __launch_bounds__(kQuantThreads)
     to_floats<T, kV>(raw[u], v);
     float amax = 0.f;
 #pragma unroll
-    for (int i = 0; i < kV; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    for (int i = 0; i < kV; ++i) amax = fmax_nan(amax, fabsf(v[i]));
 #pragma unroll
     for (int o = kL / 2; o > 0; o >>= 1)
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      amax = fmax_nan(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     if (kb[u] >= num_kb) continue;  // (after the shuffles: every lane takes part)
     const GroupScale gs = group_scale(amax);
     uint32_t packed[kV / 4];
@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(kQuantThreads)
       if constexpr (kV == 8) *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
       else *reinterpret_cast<uint32_t*>(dst) = packed[0];
     }
-    if (sub == 0) scale_t[size_t(kb[u]) * scale_ld + m[u]] = gs.scale;
+    if (sub == 0) scale_t[size_t(kb[u]) * scale_ld + m[u]] = gs.scale();
   }
 }
 

@@ -26,8 +26,8 @@ __device__ __forceinline__ void word_to_floats(uint32_t w, float* v) {
     const __half2 h = *reinterpret_cast<const __half2*>(&w);
     v[0] = __low2float(h), v[1] = __high2float(h);
   } else {
-    const __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&w);
-    v[0] = __low2float(h), v[1] = __high2float(h);
+    // bf16 is fp32's top half: one instruction a value (__high2float's PRMT + shift is two)
+    v[0] = __uint_as_float(w << 16), v[1] = __uint_as_float(w & 0xFFFF0000u);
   }
 }
 
@@ -42,14 +42,48 @@ __device__ __forceinline__ void unpack8(const uint4& bits, bool fp16, float v[8]
   }
 }
 
+// max that propagates NaN (fmaxf drops it): as torch's amax in
+// fp8linear.quant.quantize_activation, a NaN makes its group's scale, and so the group, NaN.
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+  float d;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+
+// 16-bit floats by magnitude as bits: with the sign cleared, unsigned order is magnitude order
+// (NaN above inf), so an integer max of the bits is the amax, NaN-propagating, two halves an
+// instruction.
+__device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+// The largest magnitude of 8 packed 16-bit values, as bits, in one of the two halves (the
+// caller takes the max of the halves).
+__device__ __forceinline__ uint32_t amax_bits8(const uint4& b) {
+  constexpr uint32_t kAbs = 0x7FFF7FFFu;
+  return max_u16x2(max_u16x2(b.x & kAbs, b.y & kAbs), max_u16x2(b.z & kAbs, b.w & kAbs));
+}
+// 16-bit float bits (low half of h) as a float: exact.
+__device__ __forceinline__ float bits16_to_float(uint32_t h, bool fp16) {
+  return fp16 ? __half2float(__ushort_as_half(static_cast<unsigned short>(h & 0xFFFFu)))
+              : __uint_as_float(h << 16);
+}
+
 // The scale of a group and its reciprocal: scale = max(amax, eps) / 448 (IEEE division, as
-// fp8linear.quant.quantize_activation), rcp = 1 / scale rounded to nearest.
+// fp8linear.quant.quantize_activation), rcp = 1 / scale rounded to nearest. An inf input makes
+// the scale inf, and torch's x / inf is +-0 for finite x and NaN for +-inf: `div` is then 0,
+// with which div_by_scale's corrected product gives exactly that (an inf there would make
+// inf * 0 = NaN of every x).
 struct GroupScale {
-  float scale, rcp;
+  float div, rcp;  // div: the scale, 0 where it is inf
+  __device__ __forceinline__ float scale() const {
+    return div != 0.f ? div : __int_as_float(0x7f800000);
+  }
 };
 __device__ __forceinline__ GroupScale group_scale(float amax) {
-  const float s = __fdiv_rn(fmaxf(amax, kAmaxEps), kFp8Max);
-  return {s, __frcp_rn(s)};
+  const float s = __fdiv_rn(fmax_nan(amax, kAmaxEps), kFp8Max);
+  return {isinf(s) ? 0.f : s, __frcp_rn(s)};
 }
 
 // x / scale rounded to nearest fp32, exactly as IEEE division (__fdiv_rn) gives it, in three
@@ -61,7 +95,7 @@ __device__ __forceinline__ GroupScale group_scale(float amax) {
 // the decode kernel's fused quantization compute-bound on long K ranges.
 __device__ __forceinline__ float div_by_scale(float x, const GroupScale& g) {
   const float q = __fmul_rn(x, g.rcp);
-  const float r = __fmaf_rn(-q, g.scale, x);
+  const float r = __fmaf_rn(-q, g.div, x);
   return copysignf(__fmaf_rn(r, g.rcp, q), x);
 }
 

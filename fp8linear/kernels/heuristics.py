@@ -341,7 +341,13 @@ _FORCE_GEMM = "FP8LINEAR_SM90_GEMM_CONFIG"
 #   128x192 keeps one partial accumulator (registers); since its promotion selects the
 #     second scale block once per K block instead of per 8 columns (session 4), 6144x4096 and
 #     2112x7168 at M = 1024-4096 run 0.87-0.9x the time of 128x128 per area -> 0.9 (before:
-#     1.63x the time for 1.5x the area, 1.1);
+#     1.63x the time for 1.5x the area, 1.1). Against the 256x128 pairs at M = 1024-8192 on
+#     all 14 benchmark shapes (two runs, sessions 20-21, results/2026-11-26_gemm_128x192_
+#     vs_pairs_h100.log), the costs that fit the measured ratios put 128x192 at 0.82-0.87 of
+#     128x128 (the pairs at 0.87): -> 0.86. Plans that change (17 of those 56 points, e.g.
+#     8192^2 x 8192 887 -> 830 us, 28672x4096 x 4096 806 -> 739, 6144x4096 x 8192 345 -> 328):
+#     0.995 / 0.991 of the time in geomean over the 56 points, the worst point 1.039 / 1.008;
+#     0.85 was as good, 0.84 and below made 4096x14336 x 8192 up to 11% slower.
 #   256x128 (two 64-row waves per warpgroup) moves less shared memory and L2 data per FLOP,
 #     and since its operand descriptors moved to uniform registers (session 4) it issues the
 #     next wave right after a promotion: 0.84-0.89x the time of 128x128 per area on 8192^2,
@@ -351,7 +357,7 @@ _FORCE_GEMM = "FP8LINEAR_SM90_GEMM_CONFIG"
 #     (4096x14336: 39.3 us at M=256 vs 57.3 at M=512; 2112x7168: 21.8 at 512 vs 80.7/3 at
 #     2048) -> 1.5; it pays where 128-wide tiles leave a wave ragged (2112x7168 x 512: 132
 #     tiles of 128x64, 21.8 us, vs 68 of 128x128, 28.5).
-_TILE_COST = {(128, 192): 0.9, (256, 128): 0.87, (128, 64): 1.5}
+_TILE_COST = {(128, 192): 0.86, (256, 128): 0.87, (128, 64): 1.5}
 
 
 def _waves_x_area(m: int, n: int, num_sms: int, cfg) -> float:
@@ -385,6 +391,9 @@ SM90_GEMM_EARLY_B_SHORT_K_MAX_M = 128   # K loops of < 8 blocks: up to here only
 # full-register tiles (16 KB stages, CTAs placed as the previous kernel's leave)
 SM90_GEMM_EARLY_STAGES_LEAN = 8
 SM90_GEMM_EARLY_STAGES_FULL = 4
+# behind fp8_linear's quant kernel: only at this many tokens or fewer, 4 stages for any tile
+SM90_GEMM_EARLY_B_AFTER_QUANT_MAX_M = 16
+SM90_GEMM_EARLY_STAGES_AFTER_QUANT = 4
 
 
 def sm90_gemm_early_weights(m: int, k: int, config: int, after_quant: bool) -> int:
@@ -400,9 +409,15 @@ def sm90_gemm_early_weights(m: int, k: int, config: int, after_quant: bool) -> i
     SiLU-and-mul / back to back: lean tiles with 8 stages 1.030 / 1.029 / 1.064 (7168x2048 x
     32 after the norm 7.14 -> 6.38 us, 6144x4096 x 64 11.63 -> 11.23), with 4 1.030 / 1.026 /
     1.037, the whole ring 1.008 / 0.976 / 1.030; full-register tiles with 4 stages 1.009 /
-    1.019 / 1.007 (8: 1.000 / 1.001 / 0.999). Not behind fp8_linear's quant kernel (it lets
-    the GEMM launch at once, so the early loads compete with the quantization: 4 stages
-    1.005 geomean, min 0.970; the whole ring 0.965). Up to 256 tokens (at 192 / 256 on all 14
+    1.019 / 1.007 (8: 1.000 / 1.001 / 0.999). Behind fp8_linear's quant kernel (which lets
+    the GEMM launch at once, so the early loads compete with the quantization) only up to 16
+    tokens, where the quant kernel is a few CTAs: 4 stages for any tile (session 21, H100,
+    two runs, results/2026-11-26_linear_early_b_small_m_h100.log: fp8_linear at M = 2-16 on
+    the five shapes whose plan is the large-M kernel there, back to back -0.2 to -0.85 us,
+    28672x4096 x 16 41.86 -> 41.01; after a PDL-aware norm -0.15 to -0.6; after an
+    elementwise kernel -0.1 to -0.2; 8 stages no better, lean 4096^2 tiles worse); over 8-256
+    tokens it lost (session 18: 4 stages 1.005 geomean, min 0.970; the whole ring 0.965). Up
+    to 256 tokens (at 192 / 256 on all 14
     benchmark shapes, ..._gemm_early_stages_h100.log run 3: 1.028 / 1.022 / 1.022 geomean;
     2112x7168 x 256 back to back 11.9 -> 11.3 us), where the K loop has 8 blocks or more: over
     4 K blocks the stages are most of a tile, and after the fused kernels they slowed the
@@ -412,13 +427,20 @@ def sm90_gemm_early_weights(m: int, k: int, config: int, after_quant: bool) -> i
     ring = SM90_GEMM_CONFIGS[config][2]
     stages = _forced_int(_GEMM_EARLY_STAGES, range(1, 65))
     if stages is None:
-        stages = SM90_GEMM_EARLY_STAGES_LEAN if gemm_lean(config) else SM90_GEMM_EARLY_STAGES_FULL
+        if after_quant:
+            stages = SM90_GEMM_EARLY_STAGES_AFTER_QUANT
+        else:
+            stages = (SM90_GEMM_EARLY_STAGES_LEAN if gemm_lean(config)
+                      else SM90_GEMM_EARLY_STAGES_FULL)
     stages = min(stages, ring)
     v = _switch(_GEMM_EARLY_B)
     if v is not None:
         return stages if v == "1" else 0
-    max_m = SM90_GEMM_EARLY_B_MAX_M if cdiv(k, BLOCK) >= 8 else SM90_GEMM_EARLY_B_SHORT_K_MAX_M
-    return stages if not after_quant and m <= max_m else 0
+    if after_quant:
+        max_m = SM90_GEMM_EARLY_B_AFTER_QUANT_MAX_M
+    else:
+        max_m = SM90_GEMM_EARLY_B_MAX_M if cdiv(k, BLOCK) >= 8 else SM90_GEMM_EARLY_B_SHORT_K_MAX_M
+    return stages if m <= max_m else 0
 
 
 def forced_gemm_config() -> int | None:

@@ -596,9 +596,8 @@ def test_sm90_decode_fused_quantization(fuse, monkeypatch):
 def test_sm90_quant_kernel_bit_exact(dtype, monkeypatch):
     """The sm90 quant kernel (one reciprocal a group and a corrected product instead of a
     division per element) gives exactly quantize_activation's fp8 bits and scales: values
-    over many orders of magnitude, signed zeros, tails in K (finite inputs: the kernel's amax
-    skips NaN where torch's propagates it); both of the kernel's shapes (narrow below 1024
-    tokens, wide from 1024)."""
+    over many orders of magnitude, signed zeros, tails in K (NaN inputs: the next test); both
+    of the kernel's shapes (narrow below 1024 tokens, wide from 1024)."""
     _select("sm90", monkeypatch)
     from fp8linear.kernels import build
     ext = build.load()
@@ -619,6 +618,58 @@ def test_sm90_quant_kernel_bit_exact(dtype, monkeypatch):
                            want_s.view(torch.int32)), f"scales m={m} k={k} {dtype}"
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), \
             f"fp8 values m={m} k={k} {dtype}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_sm90_quantization_nan_makes_its_group_nan(dtype, monkeypatch):
+    """As quantize_activation (torch's amax propagates NaN): a NaN makes its own 128-channel
+    group's scale and fp8 values NaN and leaves every other group's bits alone, in the quant
+    kernel and in the decode kernel's fused quantization (fp8_linear then gives NaN in that
+    token's outputs only, as block_fp8_gemm on the reference's quantization does)."""
+    _select("sm90", monkeypatch)
+    from fp8linear.kernels import build
+    ext = build.load()
+    g = torch.Generator(device=DEVICE).manual_seed(_seed("quant-nan", dtype))
+    m, k = 6, 4096 + 16
+    x = torch.randn(m, k, generator=g, device=DEVICE)
+    x[1, 140] = float("nan")                    # one group of token 1
+    x[4, 4096 + 3] = float("nan")               # the partial last group of token 4
+    x[4, 7] = float("inf")                      # inf is not NaN: that group's own rules
+    x = x.to(DTYPES[dtype])
+    want_q, want_s = fp8linear.quantize_activation(x)
+    kb = want_s.shape[1]
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=DEVICE)
+    st = torch.empty(kb, (m + 3) // 4 * 4, dtype=torch.float32, device=DEVICE)
+    ext.quant(x, q, st, False)
+    torch.cuda.synchronize()
+    s = st[:, :m].t()
+    nan_groups = torch.zeros(m, kb, dtype=torch.bool, device=DEVICE)
+    nan_groups[1, 1] = nan_groups[4, kb - 1] = True
+    assert torch.equal(torch.isnan(s), nan_groups) and torch.equal(torch.isnan(want_s), nan_groups)
+    assert torch.isnan(q.float()[1, 128:256]).all() and torch.isnan(q.float()[4, 4096:]).all()
+    # elsewhere the reference's bits; the inf group: scale inf, x / inf = +-0, inf / inf NaN
+    assert torch.isinf(s[4, 0]) and torch.isinf(want_s[4, 0])
+    assert torch.equal(torch.isnan(q.float()), torch.isnan(want_q.float()))
+    keep = ~nan_groups.repeat_interleave(128, dim=1)[:, :k] & ~torch.isnan(want_q.float())
+    assert torch.equal(q.view(torch.uint8)[keep], want_q.view(torch.uint8)[keep])
+    assert torch.equal(s.contiguous().view(torch.int32)[~nan_groups],
+                       want_s.view(torch.int32)[~nan_groups])
+    if dtype == "fp32":  # (the decode kernel quantizes 16-bit activations only)
+        return
+    monkeypatch.setenv("FP8LINEAR_SM90_FUSE_QUANT", "1")
+    heuristics.reload_env()
+    n = 2112
+    plan = heuristics.sm90_plan(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert heuristics.sm90_fuse_quant(m, k, plan), plan
+    c = dict(m=m, n=n, k=k, out=dtype, per_row=False, bias=None, seed=_seed("quant-nan-w", dtype))
+    _, _, _, wq, ws, _ = make_data(c)
+    y = fp8linear.fp8_linear(x, wq, ws)
+    want = fp8linear.block_fp8_gemm(want_q, want_s, wq, ws, out_dtype=x.dtype)
+    torch.cuda.synchronize()
+    bad_rows = torch.tensor([False, True, False, False, True, False], device=DEVICE)
+    assert torch.isnan(y[bad_rows]).all() and not torch.isnan(y[~bad_rows]).any()
+    assert torch.equal(y[~bad_rows].view(torch.int16), want[~bad_rows].view(torch.int16)), plan
 
 
 @pytest.mark.gpu

@@ -41,7 +41,7 @@ H100 = h.TritonDevice(SMS, 227 * 1024, False, (9, 0))
     (512, 6144, 4096, 3),     # 128x96 only below 512 tokens (24.4 vs 21.5 us with 128x192)
     (512, 4096, 4096, 0),     # one full wave of 128x128; 256x128 would idle half the SMs
     (512, 8192, 8192, 5),     # two waves of 128x128 = one of 256x128, which is cheaper
-    (8192, 8192, 8192, 5),
+    (8192, 8192, 8192, 3),    # 21 waves of 128x192 (0.86 an area) vs 16 of 256x128 pairs
     (2048, 4096, 4096, 5),
     (512, 28672, 4096, 3),    # 5 waves of 128x192 (0.9 an area) vs 4 of 256x128 (0.87)
     (512, 2112, 7168, 7),     # 68 tiles of 128x128 (half a wave) or 132 of 128x64
@@ -53,7 +53,7 @@ H100 = h.TritonDevice(SMS, 227 * 1024, False, (9, 0))
     # short K loops (<= 16 blocks) at 512-1024 tokens: 128x128 with queued K blocks
     (512, 7168, 2048, 13),    # (16.2 -> 14.8 us against 256x128 pairs)
     (1024, 32768, 512, 13),   # (45.3 -> 42.8)
-    (1024, 24576, 1536, 13),
+    (1024, 24576, 1536, 3),   # (where 128x192 is cheaper than the pairs: 69.8 vs 71.0 us)
     (256, 32768, 512, 5),     # not below 512 tokens,
     (2048, 7168, 2048, 3),    # nor above 1024,
     (1024, 4096, 4096, 5),    # nor over 16 K blocks
@@ -383,8 +383,13 @@ def test_gemm_configs_mirror_the_kernel_table():
     (64, 4096, 4, False, 3),   # never more than the ring (256x128: 3 stages)
     (64, 4096, 8, False, 8),   # lean tiles: 8 of their small stages
     (64, 4096, 12, False, 8),
-    (64, 4096, 1, True, 0),    # behind fp8_linear's quant kernel
+    (64, 4096, 1, True, 0),    # behind fp8_linear's quant kernel: not past 16 tokens
     (64, 4096, 8, True, 0),
+    (17, 4096, 1, True, 0),
+    (16, 4096, 8, True, 4),    # ... up to 16: 4 stages, lean tiles too
+    (2, 8192, 6, True, 4),
+    (16, 4096, 1, True, 4),
+    (8, 512, 4, True, 3),      # (never more than the ring)
     (256, 1024, 0, False, 4),  # 129-256 tokens where the K loop has >= 8 blocks
     (256, 896, 5, False, 0),   # ... not over 7
     (128, 512, 0, False, 4),   # (up to 128 tokens at any K)
