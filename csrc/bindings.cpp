@@ -67,7 +67,8 @@ Quantized quantize(const at::Tensor& x, bool pdl) {
 // fp8; w_scale blocks or per-row; out [M,N].
 void gemm(const at::Tensor& a, const c10::optional<at::Tensor>& a_scale_t, const at::Tensor& w,
           const at::Tensor& w_scale, bool per_row, const c10::optional<at::Tensor>& bias,
-          at::Tensor& out, int64_t config, bool pdl, bool quant_pdl, int64_t early_b) {
+          at::Tensor& out, int64_t config, bool pdl, bool quant_pdl, int64_t early_b,
+          int64_t group_m) {
   const c10::cuda::CUDAGuard guard(a.device());
   fp8l::GemmArgs g{};
   Quantized qa;
@@ -95,6 +96,7 @@ void gemm(const at::Tensor& a, const c10::optional<at::Tensor>& a_scale_t, const
   g.num_sms = num_sms(a.get_device());
   g.pdl = pdl;
   g.early_b = int(early_b);
+  g.group_m = int(group_m);
   check(fp8l::launch_gemm(g, at::cuda::getCurrentCUDAStream()), "gemm");
 }
 

@@ -24,6 +24,7 @@ struct GemmArgs {
   int num_sms;
   bool pdl;               // programmatic dependent launch (prologue overlaps the previous kernel)
   int early_b;            // (pdl) first weight stages requested before waiting for the previous kernel
+  int group_m;            // tile order: M units walked before the next N unit (>= 1)
 };
 
 // Large-M persistent TMA + wgmma kernel. Returns "" on success, else the error.

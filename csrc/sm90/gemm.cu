@@ -115,7 +115,8 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   if (CLUSTER > 1) slots = max_cluster_ctas<kernel>(CLUSTER, L::kAlloc, kThreads, g.num_sms);
   const int grid = units * CLUSTER < slots ? units * CLUSTER : slots;
   const uint32_t stage_bytes = uint32_t(a_rows * kBlockK + L::kBBytes + sa_cols * 4);
-  GemmParams p{g.M, g.N, g.K, num_kb, g.w_scale, g.bias, g.bias_f32, stage_bytes, g.early_b};
+  GemmParams p{g.M,    g.N,        g.K,         num_kb,    g.w_scale,
+               g.bias, g.bias_f32, stage_bytes, g.early_b, g.group_m > 1 ? g.group_m : 1};
   cudaLaunchAttribute attr[2];
   cudaLaunchConfig_t cfg = cluster_launch(grid, kThreads, L::kAlloc, stream, CLUSTER, attr);
   if (g.pdl) attr[cfg.numAttrs++] = pdl_attribute();

@@ -60,6 +60,7 @@ struct GemmParams {
   bool bias_f32;         // an fp32 bias is added as is, not rounded to the output type first
   uint32_t stage_bytes;  // TMA bytes a stage receives (less than A + B + scales when M < BM)
   int early_b;           // first-tile weight stages requested before griddepcontrol.wait
+  int group_m;           // tile order: M units a group walks before the next N unit
 };
 
 // bias[n], bias[n + 1] as floats, from the output dtype or fp32
@@ -106,14 +107,14 @@ __device__ __forceinline__ int tile_row0(int mb, int M) {
   return (r + BM > M && M >= BM) ? min(r, (M - BM + 3) & ~3) : r;
 }
 
-// Tile order: bands of kGroupM M-blocks, N-blocks inside, so that CTAs running at the same
-// time share A rows and B columns in L2.
-__device__ __forceinline__ void tile_coords(int t, int num_m, int num_n, int& mb, int& nb) {
-  constexpr int kGroupM = 8;
-  const int per_group = kGroupM * num_n;
+// Tile order: bands of group_m M-blocks, N-blocks inside, so that CTAs running at the same
+// time share A rows and B columns in L2 (heuristics.sm90_gemm_group_m picks the band).
+__device__ __forceinline__ void tile_coords(int t, int num_m, int num_n, int group_m, int& mb,
+                                            int& nb) {
+  const int per_group = group_m * num_n;
   const int g = t / per_group;
-  const int first_m = g * kGroupM;
-  const int gm = min(num_m - first_m, kGroupM);
+  const int first_m = g * group_m;
+  const int gm = min(num_m - first_m, group_m);
   const int r = t - g * per_group;
   mb = first_m + r % gm;
   nb = r / gm;
@@ -241,7 +242,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
         // shared tile for the peer; it reads a valid tile of its own and stores nothing.
         auto unit_mn = [&](int u, int& mb, int& nb) {
           int um, un;
-          tile_coords(u, num_um, num_un, um, un);
+          tile_coords(u, num_um, num_un, p.group_m, um, un);
           mb = kShareA ? um : min(um * CLUSTER + rank, num_m - 1);
           nb = kShareA ? min(un * CLUSTER + rank, num_n - 1) : un;
         };
@@ -313,7 +314,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
       // a row of w_scale past its end
       auto tile_nb = [&](int u) {
         int um, un;
-        tile_coords(u, num_um, num_un, um, un);
+        tile_coords(u, num_um, num_un, p.group_m, um, un);
         return kShareA ? min(un * CLUSTER + rank, num_n - 1) : un;
       };
       if constexpr (kPerRowB) {
@@ -539,7 +540,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
 
     for (int u = first_unit; u < num_units; u += unit_stride) {
       int um, un;
-      tile_coords(u, num_um, num_un, um, un);
+      tile_coords(u, num_um, num_un, p.group_m, um, un);
       const int mb = kShareA ? um : um * CLUSTER + rank;
       const int nb = kShareA ? un * CLUSTER + rank : un;
       // columns [0, boundary) of this tile use the first weight-scale block, the rest the next

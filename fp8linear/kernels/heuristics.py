@@ -443,6 +443,37 @@ def sm90_gemm_early_weights(m: int, k: int, config: int, after_quant: bool) -> i
     return stages if m <= max_m else 0
 
 
+_GEMM_GROUP_M = "FP8LINEAR_SM90_GEMM_GROUP_M"
+SM90_GEMM_GROUP_M = 8
+SM90_GEMM_GROUP_M_LONG = 4         # from 4096 tokens over >= 64 K blocks
+SM90_GEMM_GROUP_M_LONG_MIN_M = 4096
+SM90_GEMM_GROUP_M_LONG_MIN_KB = 64
+
+
+def sm90_gemm_group_m(m: int, n: int, k: int, config: int) -> int:
+    """The large-M kernel's tile order walks bands of this many M units (a unit: an M block,
+    or a pair of them where pairs share the weight tile), all N units inside a band, so that
+    the CTAs running at the same time share activation rows and weight rows in L2.
+
+    8, but 4 from 4096 tokens where K has >= 64 blocks of 128. The L2 hints keep both
+    operands (evict_last; evict_normal was up to 38% slower at 1024-8192 tokens, session 21),
+    and there the band of 8 units' activation rows (8 x 256 rows x K, 56 MB at K = 28672)
+    crowds out the weights that the units of the band share. H100, two runs on two machines,
+    results/2026-11-26_gemm_tile_order_bands_h100.log, block_fp8_gemm at 1024-8192 tokens on
+    the 14 shapes: band 4 57344x8192 x 4096 -6% / -4.4%, x 8192 -3.8% / -3.2%, 8192x28672 x
+    8192 -3.6% / -1.5%, the other shapes with >= 64 K blocks at 4096-8192 within +-1.2%; it
+    lost on short K (32768x512 +8-12%, 24576x1536 +2-4%) and on 6144x4096 x 4096 (+2.2%
+    twice), and at 2048 tokens (8192^2, 10240x8192: +3% with a band of 2). A band of 2 was
+    better still on the two big-N shapes (-2% against 4) but worse at K = 4096.
+    FP8LINEAR_SM90_GEMM_GROUP_M=n forces the band."""
+    forced = _forced_int(_GEMM_GROUP_M, range(1, 1025))
+    if forced is not None:
+        return forced
+    if m >= SM90_GEMM_GROUP_M_LONG_MIN_M and cdiv(k, BLOCK) >= SM90_GEMM_GROUP_M_LONG_MIN_KB:
+        return SM90_GEMM_GROUP_M_LONG
+    return SM90_GEMM_GROUP_M
+
+
 def forced_gemm_config() -> int | None:
     """FP8LINEAR_SM90_GEMM_CONFIG=i forces the large-M kernel with config i at every M
     (tests cover each configuration; benchmarks compare them)."""

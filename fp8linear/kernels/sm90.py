@@ -87,6 +87,7 @@ class _Launch(NamedTuple):
     early: bool           # decode: early PDL trigger
     gemm_pdl: bool
     gemm_early_b: int     # large-M: first weight stages before griddepcontrol.wait
+    gemm_group_m: int     # large-M: tile order's band of M units
 
 
 _launches: dict = {}
@@ -118,8 +119,9 @@ def _launch(m: int, n: int, k: int, x_dtype, index: int, linear: bool) -> _Launc
     gemm_pdl = _gemm_pdl()
     early_b = (heuristics.sm90_gemm_early_weights(m, k, plan[1], linear)
                if gemm_pdl and plan[0] == "gemm" else 0)
+    group_m = heuristics.sm90_gemm_group_m(m, n, k, plan[1]) if plan[0] == "gemm" else 0
     got = _Launch(plan, fused, tiles, ws_floats, cluster, heuristics.pdl_enabled(), early,
-                  gemm_pdl, early_b)
+                  gemm_pdl, early_b, group_m)
     if heuristics.CACHE_ENV:  # (tests switch knobs between calls: no cache then)
         if len(_launches) >= _MAX_LAUNCHES:
             _launches.clear()
@@ -140,7 +142,8 @@ def _decode(x, x_scale, w, w_scale, bias, out, lp: _Launch, quant_first: bool = 
 def _gemm(a, a_scale_t, w, w_scale, bias, out, lp: _Launch):
     # a_scale_t None: a holds 16/32-bit activations, which the extension quantizes first
     build.load().gemm(a, a_scale_t, w, w_scale, has_row_scales(w_scale, out.shape[1]),
-                      _bias(bias, out), out, lp.plan[1], lp.gemm_pdl, lp.pdl, lp.gemm_early_b)
+                      _bias(bias, out), out, lp.plan[1], lp.gemm_pdl, lp.pdl, lp.gemm_early_b,
+                      lp.gemm_group_m)
 
 
 def _gemm_pdl() -> bool:

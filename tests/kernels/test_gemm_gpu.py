@@ -422,6 +422,21 @@ def test_sm90_gemm_early_weights(config, stages, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("group", ["1", "3", "4"])
+@pytest.mark.parametrize("config", [0, 3, 5, 7])
+def test_sm90_gemm_tile_order_bands(config, group, monkeypatch):
+    """The tile order's band of M units (FP8LINEAR_SM90_GEMM_GROUP_M; the rule picks 8 or 4):
+    every tile is computed once, with ragged last bands (M units not a multiple of the band),
+    for single CTAs and pairs sharing the weight tile, through both entry points."""
+    _select("sm90", monkeypatch)
+    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_CONFIG", str(config))
+    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_GROUP_M", group)
+    for i, case in enumerate(_config_cases(config, count=8)):
+        _check_case(case, f"sm90 config {config} band {group} {_case_id(case)}",
+                    linear=i % 2 == 1)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", [c for c, cfg in enumerate(heuristics.SM90_GEMM_CONFIGS)
                                     if 128 % cfg[1] != 0 and cfg[1] != 192])
 @pytest.mark.parametrize("per_row", [False, True])

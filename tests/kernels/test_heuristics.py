@@ -416,6 +416,23 @@ def test_gemm_early_weights_rule(m, k, config, after_quant, early, monkeypatch):
         h.sm90_gemm_early_weights(m, k, config, after_quant)
 
 
+@pytest.mark.parametrize("m, k, group", [
+    (4096, 8192, 4),      # bands of 4 units from 4096 tokens over >= 64 K blocks
+    (8192, 28672, 4),
+    (4096, 8064, 8),      # 63 K blocks
+    (2048, 8192, 8),      # below 4096 tokens
+    (8192, 4096, 8),
+    (8192, 512, 8),
+])
+def test_gemm_group_m_rule(m, k, group, monkeypatch):
+    assert h.sm90_gemm_group_m(m, 8192, k, 5) == group
+    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_GROUP_M", "3")
+    assert h.sm90_gemm_group_m(m, 8192, k, 5) == 3
+    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_GROUP_M", "0")
+    with pytest.raises(ValueError, match="FP8LINEAR_SM90_GEMM_GROUP_M"):
+        h.sm90_gemm_group_m(m, 8192, k, 5)
+
+
 def test_fused_quant_early_trigger_rule(monkeypatch):
     # the norm while its rows are split over programs (< 32 rows); never SiLU-and-mul
     assert h.fused_quant_early_trigger(1, True) and h.fused_quant_early_trigger(31, True)

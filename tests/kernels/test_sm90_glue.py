@@ -18,10 +18,10 @@ class Recorder:
         self.calls = []
 
     def gemm(self, a, a_scale_t, w, w_scale, per_row, bias, out, config, pdl, quant_pdl,
-             early_b):
+             early_b, group_m):
         self.calls.append(("gemm", dict(a=a, a_scale_t=a_scale_t, per_row=per_row,
                                          config=config, pdl=pdl, quant_pdl=quant_pdl,
-                                         early_b=early_b)))
+                                         early_b=early_b, group_m=group_m)))
 
     def decode(self, x, x_scale, w, w_scale, per_row, bias, out, ws_floats, tiles, config,
                rows, splits, ctas_per_sm, pdl, early_trigger, cluster, quant_first):
@@ -105,6 +105,19 @@ def test_gemm_early_weights_follow_the_rule(ext, m, n, early):
     (_, c), = ext.calls
     assert c["early_b"] == early
     assert early == heuristics.sm90_gemm_early_weights(m, k, c["config"], False)
+
+
+@pytest.mark.parametrize("m,k,group", [(4096, 8192, 4), (4096, 4096, 8), (600, 8192, 8)])
+def test_gemm_tile_order_band_follows_the_rule(ext, monkeypatch, m, k, group):
+    n = 256
+    _, a, a_s, w, ws = _operands(m, n, k)
+    sm90.gemm(a, a_s, w, ws, None, _out(m, n))
+    (_, c), = ext.calls
+    assert c["group_m"] == group == heuristics.sm90_gemm_group_m(m, n, k, c["config"])
+    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_GROUP_M", "2")
+    heuristics.reload_env()
+    sm90.gemm(a, a_s, w, ws, None, _out(m, n))
+    assert ext.calls[-1][1]["group_m"] == 2
 
 
 def test_gemm_early_weights_need_pdl(ext, monkeypatch):
