@@ -448,6 +448,8 @@ SM90_GEMM_GROUP_M = 8
 SM90_GEMM_GROUP_M_LONG = 4         # from 4096 tokens over >= 64 K blocks
 SM90_GEMM_GROUP_M_LONG_MIN_M = 4096
 SM90_GEMM_GROUP_M_LONG_MIN_KB = 64
+SM90_GEMM_GROUP_M_SHORT = 16       # from 2048 tokens over < 64 K blocks
+SM90_GEMM_GROUP_M_SHORT_MIN_M = 2048
 
 
 def sm90_gemm_group_m(m: int, n: int, k: int, config: int) -> int:
@@ -455,7 +457,8 @@ def sm90_gemm_group_m(m: int, n: int, k: int, config: int) -> int:
     or a pair of them where pairs share the weight tile), all N units inside a band, so that
     the CTAs running at the same time share activation rows and weight rows in L2.
 
-    8, but 4 from 4096 tokens where K has >= 64 blocks of 128. The L2 hints keep both
+    8, but 4 from 4096 tokens where K has >= 64 blocks of 128, and 16 from 2048 tokens where
+    it has fewer. The L2 hints keep both
     operands (evict_last; evict_normal was up to 38% slower at 1024-8192 tokens, session 21),
     and there the band of 8 units' activation rows (8 x 256 rows x K, 56 MB at K = 28672)
     crowds out the weights that the units of the band share. H100, two runs on two machines,
@@ -464,13 +467,20 @@ def sm90_gemm_group_m(m: int, n: int, k: int, config: int) -> int:
     8192 -3.6% / -1.5%, the other shapes with >= 64 K blocks at 4096-8192 within +-1.2%; it
     lost on short K (32768x512 +8-12%, 24576x1536 +2-4%) and on 6144x4096 x 4096 (+2.2%
     twice), and at 2048 tokens (8192^2, 10240x8192: +3% with a band of 2). A band of 2 was
-    better still on the two big-N shapes (-2% against 4) but worse at K = 4096.
+    better still on the two big-N shapes (-2% against 4) but worse at K = 4096. Over fewer K
+    blocks a band of 16 was 0.5-2.6% faster at 2048-4096 tokens in both runs (24576x1536,
+    32768x512, 7168x2048, 6144x4096; 6144x4096 x 8192 -3% / -1.1%), at most +0.8% elsewhere
+    (4096x7168 x 4096), level at 1024 tokens (24576x1536 x 1024 +1.6% once); with long K at
+    8192 tokens it lost up to 7% (8192x28672).
     FP8LINEAR_SM90_GEMM_GROUP_M=n forces the band."""
     forced = _forced_int(_GEMM_GROUP_M, range(1, 1025))
     if forced is not None:
         return forced
-    if m >= SM90_GEMM_GROUP_M_LONG_MIN_M and cdiv(k, BLOCK) >= SM90_GEMM_GROUP_M_LONG_MIN_KB:
+    num_kb = cdiv(k, BLOCK)
+    if m >= SM90_GEMM_GROUP_M_LONG_MIN_M and num_kb >= SM90_GEMM_GROUP_M_LONG_MIN_KB:
         return SM90_GEMM_GROUP_M_LONG
+    if m >= SM90_GEMM_GROUP_M_SHORT_MIN_M and num_kb < SM90_GEMM_GROUP_M_LONG_MIN_KB:
+        return SM90_GEMM_GROUP_M_SHORT
     return SM90_GEMM_GROUP_M
 
 

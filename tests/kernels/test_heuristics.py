@@ -419,10 +419,12 @@ def test_gemm_early_weights_rule(m, k, config, after_quant, early, monkeypatch):
 @pytest.mark.parametrize("m, k, group", [
     (4096, 8192, 4),      # bands of 4 units from 4096 tokens over >= 64 K blocks
     (8192, 28672, 4),
-    (4096, 8064, 8),      # 63 K blocks
-    (2048, 8192, 8),      # below 4096 tokens
-    (8192, 4096, 8),
-    (8192, 512, 8),
+    (4096, 8064, 16),     # fewer K blocks from 2048 tokens: bands of 16
+    (8192, 4096, 16),
+    (2048, 512, 16),
+    (2048, 8192, 8),      # >= 64 K blocks below 4096 tokens
+    (1024, 4096, 8),      # below 2048 tokens
+    (1024, 16384, 8),
 ])
 def test_gemm_group_m_rule(m, k, group, monkeypatch):
     assert h.sm90_gemm_group_m(m, 8192, k, 5) == group

@@ -107,7 +107,7 @@ def test_gemm_early_weights_follow_the_rule(ext, m, n, early):
     assert early == heuristics.sm90_gemm_early_weights(m, k, c["config"], False)
 
 
-@pytest.mark.parametrize("m,k,group", [(4096, 8192, 4), (4096, 4096, 8), (600, 8192, 8)])
+@pytest.mark.parametrize("m,k,group", [(4096, 8192, 4), (4096, 4096, 16), (600, 8192, 8)])
 def test_gemm_tile_order_band_follows_the_rule(ext, monkeypatch, m, k, group):
     n = 256
     _, a, a_s, w, ws = _operands(m, n, k)
