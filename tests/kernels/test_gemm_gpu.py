@@ -606,6 +606,17 @@ def test_sm90_decode_fused_quantization(fuse, monkeypatch):
     assert (fused > 0) == (fuse == "1"), fused
 
 
+def _ext_quant(ext, x):
+    """The sm90 quant kernel on x [M, K]: fp8 [M, K] and the scales [M, Kb] (a view of the
+    kernel's [Kb, M] rows)."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=DEVICE)
+    st = torch.empty(-(-k // 128), (m + 3) // 4 * 4, dtype=torch.float32, device=DEVICE)
+    ext.quant(x, q, st, False)
+    torch.cuda.synchronize()
+    return q, st[:, :m].t()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 def test_sm90_quant_kernel_bit_exact(dtype, monkeypatch):
@@ -624,12 +635,8 @@ def test_sm90_quant_kernel_bit_exact(dtype, monkeypatch):
         x[:, ::97] = -0.0
         x = x.to(DTYPES[dtype])
         want_q, want_s = fp8linear.quantize_activation(x)
-        kb = want_s.shape[1]
-        q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=DEVICE)
-        st = torch.empty(kb, (m + 3) // 4 * 4, dtype=torch.float32, device=DEVICE)
-        ext.quant(x, q, st, False)
-        torch.cuda.synchronize()
-        assert torch.equal(st[:, :m].t().contiguous().view(torch.int32),
+        q, s = _ext_quant(ext, x)
+        assert torch.equal(s.contiguous().view(torch.int32),
                            want_s.view(torch.int32)), f"scales m={m} k={k} {dtype}"
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), \
             f"fp8 values m={m} k={k} {dtype}"
@@ -654,11 +661,7 @@ def test_sm90_quantization_nan_makes_its_group_nan(dtype, monkeypatch):
     x = x.to(DTYPES[dtype])
     want_q, want_s = fp8linear.quantize_activation(x)
     kb = want_s.shape[1]
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=DEVICE)
-    st = torch.empty(kb, (m + 3) // 4 * 4, dtype=torch.float32, device=DEVICE)
-    ext.quant(x, q, st, False)
-    torch.cuda.synchronize()
-    s = st[:, :m].t()
+    q, s = _ext_quant(ext, x)
     nan_groups = torch.zeros(m, kb, dtype=torch.bool, device=DEVICE)
     nan_groups[1, 1] = nan_groups[4, kb - 1] = True
     assert torch.equal(torch.isnan(s), nan_groups) and torch.equal(torch.isnan(want_s), nan_groups)
