@@ -392,7 +392,7 @@ SM90_GEMM_EARLY_B_SHORT_K_MAX_M = 128   # K loops of < 8 blocks: up to here only
 SM90_GEMM_EARLY_STAGES_LEAN = 8
 SM90_GEMM_EARLY_STAGES_FULL = 4
 # behind fp8_linear's quant kernel: only at this many tokens or fewer, 4 stages for any tile
-SM90_GEMM_EARLY_B_AFTER_QUANT_MAX_M = 64
+SM90_GEMM_EARLY_B_AFTER_QUANT_MAX_M = 128
 SM90_GEMM_EARLY_STAGES_AFTER_QUANT = 4
 
 
@@ -411,15 +411,17 @@ def sm90_gemm_early_weights(m: int, k: int, config: int, after_quant: bool) -> i
     1.037, the whole ring 1.008 / 0.976 / 1.030; full-register tiles with 4 stages 1.009 /
     1.019 / 1.007 (8: 1.000 / 1.001 / 0.999). Behind fp8_linear's quant kernel (which lets
     the GEMM launch at once, so the early loads compete with the quantization) 4 stages for
-    any tile up to 64 tokens (session 21, H100, two runs each,
+    any tile up to 128 tokens (session 21, H100, two runs each,
     results/2026-11-26_linear_early_b_small_m_h100.log: fp8_linear at M = 2-16 on the five
     shapes whose plan is the large-M kernel there, back to back -0.2 to -0.85 us, 28672x4096
     x 16 41.86 -> 41.01; after a PDL-aware norm -0.15 to -0.6; after an elementwise kernel
     -0.1 to -0.2; 8 stages no better, lean 4096^2 tiles worse. At 17-64 tokens on all 14
     shapes, runs 3-4: back to back 0.961-0.973 of the time by M, after a PDL-aware norm
     0.982-0.990, after an elementwise kernel 0.992-0.998, 32768x512 x 32 9.78 -> 8.21 us; at
-    96-192 one run was as good, not yet repeated). Session 18 had found them a loss behind the
-    quant kernel over 8-256 tokens (4 stages 1.005 geomean, min 0.970). Up to 256 tokens (at 192 / 256 on all 14
+    96-128, runs 4-5: 0.971-0.975 / 0.982-0.984 / 0.989-0.992; at 192 level after an
+    elementwise kernel in both, at 256 up to 7% slower on short K). Session 18 had found them a
+    loss behind the quant kernel over 8-256 tokens (4 stages 1.005 geomean, min 0.970). Up to
+    256 tokens (at 192 / 256 on all 14
     benchmark shapes, ..._gemm_early_stages_h100.log run 3: 1.028 / 1.022 / 1.022 geomean;
     2112x7168 x 256 back to back 11.9 -> 11.3 us), where the K loop has 8 blocks or more: over
     4 K blocks the stages are most of a tile, and after the fused kernels they slowed the

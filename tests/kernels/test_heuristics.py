@@ -383,9 +383,10 @@ def test_gemm_configs_mirror_the_kernel_table():
     (64, 4096, 4, False, 3),   # never more than the ring (256x128: 3 stages)
     (64, 4096, 8, False, 8),   # lean tiles: 8 of their small stages
     (64, 4096, 12, False, 8),
-    (65, 4096, 1, True, 0),    # behind fp8_linear's quant kernel: not past 64 tokens
-    (96, 4096, 8, True, 0),
-    (64, 4096, 1, True, 4),    # ... up to 64: 4 stages, lean tiles too
+    (129, 4096, 1, True, 0),   # behind fp8_linear's quant kernel: not past 128 tokens
+    (192, 4096, 8, True, 0),
+    (128, 4096, 1, True, 4),   # ... up to 128: 4 stages, lean tiles too
+    (64, 512, 0, True, 4),
     (17, 4096, 8, True, 4),
     (16, 4096, 8, True, 4),
     (2, 8192, 6, True, 4),

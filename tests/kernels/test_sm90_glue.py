@@ -82,14 +82,14 @@ def test_gemm_copies_row_major_scales_into_tma_rows(ext, m):
 def test_linear_large_m_hands_raw_activations_to_the_extension(ext):
     """Large M: the extension quantizes x (its own scratch) and runs the GEMM, both under
     PDL, so the GEMM's launch and prologue overlap the quant kernel."""
-    m, n, k = 96, 28672, 4096
+    m, n, k = 200, 28672, 4096
     x, _, _, w, ws = _operands(m, n, k)
     sm90.linear(x, w, ws, None, _out(m, n))
     (kind, g), = ext.calls
     assert kind == "gemm" and g["a"] is x and g["a_scale_t"] is None
     assert g["config"] == heuristics.sm90_plan(m, n, k, 132, after_quant=True)[1]
     assert g["pdl"] is True and g["quant_pdl"] is True
-    assert g["early_b"] == 0            # behind our quant kernel past 64 tokens: no early loads
+    assert g["early_b"] == 0            # behind our quant kernel past 128 tokens: no early loads
 
 
 @pytest.mark.parametrize("m,n,early", [
