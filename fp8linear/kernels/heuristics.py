@@ -456,16 +456,17 @@ SM90_GEMM_GROUP_M_SHORT = 16       # from 2048 tokens over < 64 K blocks
 SM90_GEMM_GROUP_M_SHORT_MIN_M = 2048
 
 
-def sm90_gemm_group_m(m: int, n: int, k: int, config: int) -> int:
+def sm90_gemm_group_m(m: int, k: int) -> int:
     """The large-M kernel's tile order walks bands of this many M units (a unit: an M block,
     or a pair of them where pairs share the weight tile), all N units inside a band, so that
     the CTAs running at the same time share activation rows and weight rows in L2.
 
     8, but 4 from 4096 tokens where K has >= 64 blocks of 128, and 16 from 2048 tokens where
-    it has fewer. The L2 hints keep both
-    operands (evict_last; evict_normal was up to 38% slower at 1024-8192 tokens, session 21),
-    and there the band of 8 units' activation rows (8 x 256 rows x K, 56 MB at K = 28672)
-    crowds out the weights that the units of the band share. H100, two runs on two machines,
+    it has fewer. Why is not modelled: the L2 hints keep both operands (evict_last;
+    evict_normal was up to 38% slower at 1024-8192 tokens, session 21), and a guess is that
+    the band of 8 units' activation rows (8 x 256 rows x K, 56 MB at K = 28672) crowds out the
+    weights the band's units share; under ncu (locked clocks, one launch) the bands made no
+    difference. H100, two runs on two machines,
     results/2026-11-26_gemm_tile_order_bands_h100.log, block_fp8_gemm at 1024-8192 tokens on
     the 14 shapes: band 4 57344x8192 x 4096 -6% / -4.4%, x 8192 -3.8% / -3.2%, 8192x28672 x
     8192 -3.6% / -1.5%, the other shapes with >= 64 K blocks at 4096-8192 within +-1.2%; it

@@ -119,7 +119,7 @@ def _launch(m: int, n: int, k: int, x_dtype, index: int, linear: bool) -> _Launc
     gemm_pdl = _gemm_pdl()
     early_b = (heuristics.sm90_gemm_early_weights(m, k, plan[1], linear)
                if gemm_pdl and plan[0] == "gemm" else 0)
-    group_m = heuristics.sm90_gemm_group_m(m, n, k, plan[1]) if plan[0] == "gemm" else 0
+    group_m = heuristics.sm90_gemm_group_m(m, k) if plan[0] == "gemm" else 0
     got = _Launch(plan, fused, tiles, ws_floats, cluster, heuristics.pdl_enabled(), early,
                   gemm_pdl, early_b, group_m)
     if heuristics.CACHE_ENV:  # (tests switch knobs between calls: no cache then)

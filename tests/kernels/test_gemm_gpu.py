@@ -425,7 +425,7 @@ def test_sm90_gemm_early_weights(config, stages, monkeypatch):
 @pytest.mark.parametrize("group", ["1", "3", "4"])
 @pytest.mark.parametrize("config", [0, 3, 5, 7])
 def test_sm90_gemm_tile_order_bands(config, group, monkeypatch):
-    """The tile order's band of M units (FP8LINEAR_SM90_GEMM_GROUP_M; the rule picks 8 or 4):
+    """The tile order's band of M units (FP8LINEAR_SM90_GEMM_GROUP_M; the rule picks 4, 8 or 16):
     every tile is computed once, with ragged last bands (M units not a multiple of the band),
     for single CTAs and pairs sharing the weight tile, through both entry points."""
     _select("sm90", monkeypatch)

@@ -429,12 +429,12 @@ def test_gemm_early_weights_rule(m, k, config, after_quant, early, monkeypatch):
     (1024, 16384, 8),
 ])
 def test_gemm_group_m_rule(m, k, group, monkeypatch):
-    assert h.sm90_gemm_group_m(m, 8192, k, 5) == group
+    assert h.sm90_gemm_group_m(m, k) == group
     monkeypatch.setenv("FP8LINEAR_SM90_GEMM_GROUP_M", "3")
-    assert h.sm90_gemm_group_m(m, 8192, k, 5) == 3
+    assert h.sm90_gemm_group_m(m, k) == 3
     monkeypatch.setenv("FP8LINEAR_SM90_GEMM_GROUP_M", "0")
     with pytest.raises(ValueError, match="FP8LINEAR_SM90_GEMM_GROUP_M"):
-        h.sm90_gemm_group_m(m, 8192, k, 5)
+        h.sm90_gemm_group_m(m, k)
 
 
 def test_fused_quant_early_trigger_rule(monkeypatch):
