@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,34 +30,15 @@ SHAPES = {"2112x7168": 2112 * 7168, "7168x2048": 7168 * 2048, "4096x4096": 4096 
 
 
 def time_reads(nbytes: int, op, min_total: float = 420e6, replays: int = 30) -> float:
-    """us per launch of op over an nbytes fp32 buffer, L launches over R copies in one graph."""
+    """us per launch of op over an nbytes fp32 buffer: one graph of a launch per copy, copies
+    past min_total bytes, timed with the benchmark's own helpers (benchmarks/common.py)."""
     n = nbytes // 4
-    copies = max(2, int(-(-min_total // nbytes)))
+    copies = max(2, C.copies_for(nbytes, min_total))
     bufs = [torch.empty(n, dtype=torch.float32, device="cuda").uniform_(-1, 1)
             for _ in range(copies)]
     out = torch.empty((), dtype=torch.float32, device="cuda")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for b in bufs:            # warm-up outside the graph (allocator, kernel selection)
-            op(b, out=out)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for b in bufs:
-            op(b, out=out)
-    for _ in range(3):
-        g.replay()
-    ts = []
-    for _ in range(replays):
-        e0 = torch.cuda.Event(enable_timing=True)
-        e1 = torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        ts.append((e0, e1))
-    torch.cuda.synchronize()
-    us = statistics.median(a.elapsed_time(b) * 1e3 for a, b in ts) / len(bufs)
+    g = C.capture_graph(lambda i: op(bufs[i], out=out), copies, warmup_calls=copies)
+    us = C.median(C.time_graphs_interleaved({"read": g}, replays)["read"]) / copies
     del g, bufs
     torch.cuda.empty_cache()
     return us
