@@ -524,9 +524,21 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
       block_scales(lo, hi);
 #pragma unroll
       for (int w = 0; w < kWaves; ++w) {
+        // Two waves (256x128): the wave's A scales are read before its wgmmas. Read after the
+        // first one (as before), the two scale FMULs that ptxas places between the wgmmas
+        // waited for the loads and held back wgmmas 2-4 (ncu: short-scoreboard stalls there,
+        // where DeepGEMM reads them first). H100, two A/B runs: 1.004x / 1.005x geomean at
+        // M >= 512, up to 3% on 256x128 (7168x16384 x 4096 710 -> 688 us); one-wave tiles
+        // were 0.3% slower with it (128x192: 6144x4096, 24576x1536), so they keep the order.
+        // results/2026-11-26_gemm_scales_before_wgmma_h100.log.
+        float sa0 = 0.f, sa1 = 0.f;
+        auto read_sa = [&] {
+          sa0 = sSA[s * BM + wave_row(w) + row_in_wg];
+          sa1 = sSA[s * BM + wave_row(w) + row_in_wg + 8];
+        };
+        if constexpr (kWaves > 1) read_sa();
         issue(part0, s, w);
-        const float sa0 = sSA[s * BM + wave_row(w) + row_in_wg];
-        const float sa1 = sSA[s * BM + wave_row(w) + row_in_wg + 8];
+        if constexpr (kWaves == 1) read_sa();
         wgmma_wait<0>();
 #pragma unroll
         for (int i = 0; i < kRegs; ++i) fence_operand(part0[i]);
