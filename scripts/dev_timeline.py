@@ -58,7 +58,7 @@ for m in ms:
         rec = buf[4:4 + 4 * cnt].view(cnt, 4).cpu().tolist()
         # per kernel type and block: the r-th stamp of event 0 belongs to launch r
         by = {}
-        for t, ke, blk, sm in rec:
+        for t, ke, blk, _sm in rec:
             kern, ev = ke >> 32, ke & 0xffffffff
             by.setdefault((kern, blk, ev), []).append(t)
         launches = {}
@@ -81,9 +81,8 @@ for m in ms:
                     row[(kern, ev)] = (min(ts) - t0, q(ts, 0.5) - t0, max(ts) - t0, len(ts))
             rows.append(row)
         gk = 2 if any(kk == 2 for kk in kinds) else 3
-        end_ev = 5 if gk == 2 else 3
-        def g_end(row):
-            e = [row[(gk, ev)][2] for ev in (4, 5, 3) if (gk, ev) in row and (gk == 2 or ev == 3)]
+        def g_end(row):  # the GEMM's last CTA exit (decode: events 4 / 5; gemm: 3)
+            e = [row[(gk, ev)][2] for ev in (3, 4, 5) if (gk, ev) in row]
             return max(e) if e else None
         hdr = "launch  period  " + ("q.start q.wait q.end  " if 1 in kinds else "") + \
               "g.start(min/med) g.wait(med/max) g.first(med/max) g.loop(med) g.end(max)   [us, from the previous GEMM's end]"
