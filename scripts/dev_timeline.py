@@ -11,7 +11,6 @@ then on the device (carry .prebuilt and .prebuilt_t):
   python3 scripts/dev_timeline.py N K M [M ...]
 Session 23's output: results/2026-11-26_fp8_linear_hop_timeline_h100.log."""
 import os
-import statistics as st
 import sys
 
 import torch
@@ -33,11 +32,6 @@ sd = B.ShapeData(n, k, copies, 0, seed=1)
 KMAX = 1 << 20
 buf = torch.zeros(4 + 4 * KMAX, dtype=torch.int64, device="cuda")
 names = {1: "quant", 2: "decode", 3: "gemm"}
-
-
-def q(xs, p):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p * (len(xs) - 1) + 0.5))]
 
 
 for m in ms:
@@ -78,7 +72,7 @@ for m in ms:
                 if not L:
                     continue
                 for ev, ts in L.items():
-                    row[(kern, ev)] = (min(ts) - t0, q(ts, 0.5) - t0, max(ts) - t0, len(ts))
+                    row[(kern, ev)] = (min(ts) - t0, C.median(ts) - t0, max(ts) - t0, len(ts))
             rows.append(row)
         gk = 2 if any(kk == 2 for kk in kinds) else 3
         def g_end(row):  # the GEMM's last CTA exit (decode: events 4 / 5; gemm: 3)
@@ -107,6 +101,6 @@ for m in ms:
                  f"{us(cur[(gk, 3)][1]) if (gk, 3) in cur else float('nan'):6.2f}    {us(ce):6.2f}"
             print(s)
         if periods:
-            print(f"median period {st.median(periods):.2f} us over {len(periods)} launches")
+            print(f"median period {C.median(periods):.2f} us over {len(periods)} launches")
         del g
         torch.cuda.synchronize()
