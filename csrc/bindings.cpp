@@ -9,6 +9,7 @@
 #include <map>
 #include <mutex>
 #include <utility>
+#include <vector>
 
 #include "sm90/api.h"
 
@@ -108,18 +109,44 @@ void quant(const at::Tensor& x, at::Tensor& q, at::Tensor& scale_t, bool pdl) {
         "quant");
 }
 
+// A new int32 array of zeros, zeroed now also while the current stream is being captured
+// into a CUDA graph: at::zeros there would only record its fill in the graph, and eager calls
+// on that stream before the graph's first replay would count from whatever the memory held
+// (a split reduction then never finds its last CTA: unwritten output). The fill then runs on
+// a side stream outside the capture (relaxed capture mode for this thread meanwhile).
+at::Tensor zeroed_ints(const at::Tensor& like, int64_t n) {
+  at::Tensor t = at::empty({n}, like.options().dtype(at::kInt));
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  TORCH_CHECK(cudaStreamIsCapturing(stream, &status) == cudaSuccess, "cudaStreamIsCapturing");
+  if (status == cudaStreamCaptureStatusNone) return t.zero_();
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  TORCH_CHECK(cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess, "capture mode");
+  cudaStream_t side = nullptr;
+  cudaError_t e = cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking);
+  if (e == cudaSuccess) e = cudaMemsetAsync(t.data_ptr(), 0, size_t(n) * sizeof(int), side);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(side);
+  if (side != nullptr) cudaStreamDestroy(side);
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  TORCH_CHECK(e == cudaSuccess, "zeroing the tile counters: ", cudaGetErrorString(e));
+  return t;
+}
+
 // The split reduction's tile counters: int32, zero between launches (the last CTA of a tile
 // resets its own, so no memset per call and CUDA-graph replays find them zero). One array
-// per (device, stream): decode GEMMs on concurrent streams never share one. Grown on demand
-// (the zeroing runs on the current stream, before our kernel).
+// per (device, stream): decode GEMMs on concurrent streams never share one. Grown on demand;
+// an outgrown array is kept alive, as graphs captured before may still use it.
 at::Tensor tile_counters(const at::Tensor& like, int64_t tiles) {
   static std::mutex mu;
   static std::map<std::pair<int, cudaStream_t>, at::Tensor> arrays;
+  static std::vector<at::Tensor> outgrown;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   std::lock_guard<std::mutex> lock(mu);
   at::Tensor& c = arrays[{like.get_device(), stream}];
-  if (!c.defined() || c.numel() < tiles)
-    c = at::zeros({std::max<int64_t>(tiles, 4096)}, like.options().dtype(at::kInt));
+  if (!c.defined() || c.numel() < tiles) {
+    if (c.defined()) outgrown.push_back(c);
+    c = zeroed_ints(like, std::max<int64_t>(tiles, 4096));
+  }
   return c;
 }
 

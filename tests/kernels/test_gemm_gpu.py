@@ -885,6 +885,48 @@ def test_determinism_covers_split_k(monkeypatch):
     assert split, f"no determinism case uses split-K: {plans}"
 
 
+@pytest.mark.gpu
+def test_sm90_counters_made_during_a_capture_start_zeroed(monkeypatch):
+    """A stream's first split-K decode call inside a CUDA graph capture makes its reduction
+    counters; an eager call on that stream before any replay must still find them zero (an
+    at::zeros there only records its fill in the graph: the counts would start from whatever
+    the memory held and the output stay unwritten, here NaN)."""
+    _select("sm90", monkeypatch)
+    c = {"m": 1, "n": 2112, "k": 7168, "per_row": False, "out": "bf16", "bias": None,
+         "seed": _seed("capture-counters")}
+    x, a, a_s, wq, ws, bias = make_data(c)
+    plan = heuristics.sm90_plan(1, 2112, 7168,
+                                torch.cuda.get_device_properties(0).multi_processor_count)
+    assert plan[0] == "decode" and plan[2] > 1, f"not a split-K plan: {plan}"
+    fp8linear.block_fp8_gemm(a, a_s, wq, ws)  # (kernel attributes set outside any capture)
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()  # first used by our kernels inside the capture below
+    # The capture allocates from a pool whose cached block holds -1s (a fresh segment may
+    # happen to be zero): counters made there without a fill start at -1. A small tensor
+    # kept alive in the same segment stops the capture's empty_cache from releasing it.
+    pool = torch.cuda.MemPool()
+    with torch.cuda.stream(s), torch.cuda.use_mem_pool(pool):
+        anchor = torch.zeros(128, dtype=torch.int32, device=DEVICE)
+        dirty = torch.full((1 << 18,), -1, dtype=torch.int32, device=DEVICE)
+    torch.cuda.synchronize()
+    del dirty
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool.id, stream=s):
+        fp8linear.block_fp8_gemm(a, a_s, wq, ws)
+    ref, mag = reference(a, a_s, wq, ws, None)
+    # every call checked: from stale counts the first finds no last CTA (NaN), and a second
+    # may then be 'completed' by its first CTA from the first call's partials
+    for i in range(2):
+        with torch.cuda.stream(s):
+            out = _poisoned(1, 2112, torch.bfloat16)
+            fp8linear.block_fp8_gemm(a, a_s, wq, ws, out=out)
+        torch.cuda.synchronize()
+        assert_close(out, ref, mag, f"eager call {i} on the capture stream before a replay")
+    g.replay()
+    torch.cuda.synchronize()
+    del anchor
+
+
 GRAPH_MS = [1, 16, 64, 200, 2048]
 
 
