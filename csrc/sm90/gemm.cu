@@ -78,10 +78,12 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   // lie past M and are never stored).
   const int a_rows = g.M < BM ? (g.M + 7) / 8 * 8 : BM;
   const int sa_cols = g.M < BM ? (g.M + 3) / 4 * 4 : BM;
-  // a shared weight tile is loaded (and multicast) in halves by the two CTAs of a pair; a
-  // shared activation tile whole by the pair's leader
+  // a shared tile (weights, or activations with kShareA) is loaded and multicast in halves by
+  // the two CTAs of a pair (activation halves of a_half rows, 8-row multiples so that rank 1's
+  // half starts on a 1024-byte swizzle atom; rows past M are zero-filled by TMA)
+  const int a_half = (a_rows / 2 + 7) / 8 * 8;
   if (!(e = make_tensor_map_2d(&ta, g.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, g.M, g.K, g.K,
-                               a_rows, kBlockK, sw128)).empty())
+                               kShareA ? a_half : a_rows, kBlockK, sw128)).empty())
     return e;
   if (!(e = make_tensor_map_2d(&tb, g.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, g.N, g.K, g.K,
                                kShareA ? BN : BN / CLUSTER, kBlockK, sw128)).empty())
@@ -114,9 +116,10 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   int slots = g.num_sms / CLUSTER * CLUSTER;
   if (CLUSTER > 1) slots = max_cluster_ctas<kernel>(CLUSTER, L::kAlloc, kThreads, g.num_sms);
   const int grid = units * CLUSTER < slots ? units * CLUSTER : slots;
-  const uint32_t stage_bytes = uint32_t(a_rows * kBlockK + L::kBBytes + sa_cols * 4);
+  const uint32_t stage_bytes =
+      uint32_t((kShareA ? 2 * a_half : a_rows) * kBlockK + L::kBBytes + sa_cols * 4);
   GemmParams p{g.M,    g.N,        g.K,         num_kb,    g.w_scale,
-               g.bias, g.bias_f32, stage_bytes, g.early_b, g.group_m > 1 ? g.group_m : 1};
+               g.bias, g.bias_f32, stage_bytes, g.early_b, g.group_m > 1 ? g.group_m : 1, a_half};
   cudaLaunchAttribute attr[2];
   cudaLaunchConfig_t cfg = cluster_launch(grid, kThreads, L::kAlloc, stream, CLUSTER, attr);
   if (g.pdl) attr[cfg.numAttrs++] = pdl_attribute();

@@ -11,7 +11,7 @@
 // CLUSTER = 2: two CTAs on neighbouring SMs take adjacent tiles in lockstep and share one
 // operand tile: vertically adjacent tiles share the weight (B) tile, each CTA loading half of
 // it and multicasting it to both; or with kShareA horizontally adjacent ones share the
-// activation (A) tile, which the leader (rank 0) loads whole for both. The L2 -> SM traffic
+// activation (A) tile, each CTA loading half its rows for both. The L2 -> SM traffic
 // per tile drops by half the shared tile (256x128 pairs sharing A: a third).
 // Epilogue: registers -> swizzled shared memory (128B, or 64B for 32-column boxes) -> TMA store
 // (clipped at M/N edges), while the producer already streams the next tile.
@@ -61,6 +61,7 @@ struct GemmParams {
   uint32_t stage_bytes;  // TMA bytes a stage receives (less than A + B + scales when M < BM)
   int early_b;           // first-tile weight stages requested before griddepcontrol.wait
   int group_m;           // tile order: M units a group walks before the next N unit
+  int a_half;            // kShareA: rows of A each CTA of the pair loads and multicasts
 };
 
 // bias[n], bias[n + 1] as floats, from the output dtype or fp32
@@ -201,9 +202,8 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
       // Frees a stage: one arrival per math warp of this CTA (per lane with kLaneRelease:
       // each read its own scales from the stage, and arrives itself so its reads are ordered
       // before the refill), plus one per math warp of the peer where the peer's data lands in
-      // our ring from our loads: the B half we multicast, or (sharing A) the whole A tile the
-      // leader (rank 0) multicasts; the follower's ring is refilled by its own loads only.
-      const int remote = CLUSTER > 1 && (!kShareA || cluster_ctarank() == 0) ? kMathWG * 4 : 0;
+      // our ring from our loads: the half of the shared tile (B, or A with kShareA) we multicast.
+      const int remote = CLUSTER > 1 ? kMathWG * 4 : 0;
       mbar_init(&empty[s], (kLaneRelease ? kMathWG * 4 * 32 : kMathWG * 4) + remote);
     }
     fence_barrier_init();
@@ -275,10 +275,14 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
             mbar_wait(&empty[s], phase ^ 1);
             if constexpr (CLUSTER == 1 || !kShareA) {
               tma_load_2d(sA + s * L::kABytes, &tmap_a, &full[s], kb * kBlockK, row0, keep);
-            } else if (rank == 0) {
-              // the leader loads the whole shared activation tile for both CTAs
-              tma_load_2d_multicast(sA + s * L::kABytes, &tmap_a, &full[s], kb * kBlockK, row0,
-                                    kBoth, keep);
+            } else {
+              // each CTA loads half the shared activation tile's rows for both: two TMA units
+              // share the pair's A traffic. H100, results/2026-11-26_gemm_split_a_multicast_h100.log:
+              // +0.9% geomean on the 29 benchmark points where the heuristic picks the pair (two
+              // runs, order swapped; no point's mean below 0.998x). Session 10 rejected it when
+              // the pair also ran K = 512 shapes, where the rings waiting both ways lost 1-2%.
+              tma_load_2d_multicast(sA + s * L::kABytes + rank * p.a_half * kBlockK, &tmap_a,
+                                    &full[s], kb * kBlockK, row0 + rank * p.a_half, kBoth, keep);
             }
             if (u != first_unit || kb >= early) load_b(s, kb, nb);
             tma_load_2d(sSA + s * BM, &tmap_sa, &full[s], row0, kb, keep);
@@ -424,8 +428,8 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
     // reads before lane 0's arrival; per-row scales are read during the promotion, so every
     // lane arrives itself.
     // In a pair the peer's producer also waits for us where its loads land in our ring: for
-    // B sharing both ways, for A sharing only the leader (rank 0), which multicasts A.
-    const bool tell_peer = CLUSTER > 1 && (!kShareA || rank == 1);
+    // Each CTA multicasts half of the shared tile (A or B), so both ways.
+    const bool tell_peer = CLUSTER > 1;
     auto release = [&](int st) {
       if constexpr (kLaneRelease) {
         mbar_arrive(&empty[st]);
