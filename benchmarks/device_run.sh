@@ -9,7 +9,8 @@
 #   build     python -m fp8linear.cli build  (precompiles our CUDA extension)   BUILD_TIMEOUT=300
 #   test      pytest -m gpu tests/kernels (-n TEST_WORKERS=8 with pytest-xdist)  TEST_TIMEOUT=240
 #   sanitize  compute-sanitizer memcheck on tests/kernels/sanitize_gemm.py       SAN_TIMEOUT=180
-#   racecheck compute-sanitizer racecheck on sanitize_gemm.py --quick (not by default)
+#             (--configs all: also every large-M configuration forced)
+#   racecheck compute-sanitizer racecheck on sanitize_gemm.py --quick --configs all (not by default)
 #                                                                               RACE_TIMEOUT=300
 #   bench     python benchmarks/bench_gemm.py --out $OUT/bench.json "$@"       BENCH_TIMEOUT=540
 #   script    bash $SCRIPT (a dev sweep, e.g. scripts/dev_neighbour_sweep.sh) with this
@@ -160,9 +161,9 @@ step test "${TEST_TIMEOUT:-240}" "$PY" -m pytest -m gpu -q ${TEST_PATHS:-tests/k
   --maxfail="${MAXFAIL:-40}" --durations=15 ${PYTEST_ARGS:-}
 step sanitize "${SAN_TIMEOUT:-180}" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
   compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 30 \
-  "$PY" tests/kernels/sanitize_gemm.py ${SAN_ARGS:-}
+  "$PY" tests/kernels/sanitize_gemm.py ${SAN_ARGS:---configs all}
 step racecheck "${RACE_TIMEOUT:-300}" compute-sanitizer --tool racecheck --error-exitcode 9 \
-  --print-limit 30 "$PY" tests/kernels/sanitize_gemm.py --quick
+  --print-limit 30 "$PY" tests/kernels/sanitize_gemm.py --quick --configs all
 if want bench; then
   B=$(( $(left) - ${BENCH_MARGIN:-60} ))
   [ "$B" -lt 30 ] && B=30

@@ -157,12 +157,6 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
   // 10-15% (session 9). BN = 192 selects once per K block (two cases, below).
   constexpr bool kStaticBoundary = kTwoBlocks && BN != 192;
   constexpr int kBoxCols = L::kBoxCols;
-  // Who frees a stage: every math lane (it read the stage's B scales itself, and its own
-  // arrival orders that read before the refill) for per-row scales, for the BN = 48 / 96 / 160
-  // tiles and for kQueueNext (with one arrival per warp after __syncwarp, compute-sanitizer's
-  // racecheck flagged the B-scale warp's next write of the slot for those in its default
-  // mode), else lane 0 of each warp after __syncwarp.
-  constexpr bool kLaneRelease = kPerRowB || kStaticBoundary || kQueueNext;
   extern __shared__ uint8_t smem_raw[];
   // 1024-byte alignment (128B swizzle atoms) as an offset into smem_raw: the compiler keeps
   // knowing the pointers are shared (32-bit addresses, LDS), which it does not through a
@@ -199,12 +193,12 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
       // the TMA thread's expect_tx + every thread that wrote B scales into the stage (each
       // writer arrives itself, so its writes are ordered before the consumers' reads)
       mbar_init(&full[s], kPerRowB ? 1 + 32 : 2);
-      // Frees a stage: one arrival per math warp of this CTA (per lane with kLaneRelease:
-      // each read its own scales from the stage, and arrives itself so its reads are ordered
-      // before the refill), plus one per math warp of the peer where the peer's data lands in
-      // our ring from our loads: the half of the shared tile (B, or A with kShareA) we multicast.
+      // Frees a stage: one arrival per math lane of this CTA (each read the stage's B scales
+      // itself, and arrives itself so its reads are ordered before the refill), plus one per
+      // math warp of the peer where the peer's data lands in our ring from our loads: the half
+      // of the shared tile (B, or A with kShareA) we multicast.
       const int remote = CLUSTER > 1 ? kMathWG * 4 : 0;
-      mbar_init(&empty[s], (kLaneRelease ? kMathWG * 4 * 32 : kMathWG * 4) + remote);
+      mbar_init(&empty[s], kMathWG * 4 * 32 + remote);
     }
     fence_barrier_init();
     tma_prefetch_desc(&tmap_a);
@@ -423,27 +417,18 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
       // wgmmas, C7514; step() fences it after the wait)
     };
     // Stage st is read (wgmmas done, scales in registers): let the producer(s) refill it.
-    // Whoever read the stage's B scales with ordinary loads must have read them before the
-    // stage is refilled: block scales are read by every lane, and __syncwarp orders those
-    // reads before lane 0's arrival; per-row scales are read during the promotion, so every
-    // lane arrives itself.
-    // In a pair the peer's producer also waits for us where its loads land in our ring: for
-    // Each CTA multicasts half of the shared tile (A or B), so both ways.
+    // Every lane read the stage's B scales with ordinary loads and arrives itself, which orders
+    // its read before the B-scale warp's next write of the slot. (One arrival a warp after
+    // __syncwarp is as correct, but compute-sanitizer's racecheck does not follow the warp
+    // barrier and flagged that write in every configuration when forced onto the sanitizer's
+    // cases; per-lane arrivals cost 0.1-0.3% at 2048-8192 tokens, same bits, H100:
+    // results/2026-11-26_gemm_lane_release_racecheck_h100.log.)
+    // In a pair each CTA multicasts half of the shared tile (A or B) into the peer's ring, so
+    // each also tells the peer's producer when it has read the stage.
     const bool tell_peer = CLUSTER > 1;
     auto release = [&](int st) {
-      if constexpr (kLaneRelease) {
-        mbar_arrive(&empty[st]);
-        if (tell_peer && lane == 0) mbar_arrive_cluster(&empty[st], rank ^ 1);
-      } else {
-        __syncwarp();
-        if constexpr (CLUSTER == 1) {
-          if (lane == 0) mbar_arrive(&empty[st]);
-        } else if (lane < (tell_peer ? 2 : 1)) {
-          // one instruction for both lanes (no divergence): lane 0 frees our stage, lane 1
-          // the peer's
-          mbar_arrive_cluster(&empty[st], lane == 0 ? rank : rank ^ 1);
-        }
-      }
+      mbar_arrive(&empty[st]);
+      if (tell_peer && lane == 0) mbar_arrive_cluster(&empty[st], rank ^ 1);
     };
     // acc += P * sa[row] * sb[col] with the stage's scales (DeepSeek-V3 promotion).
     auto promote = [&](float(&acc)[kRegs], const float(&P)[kRegs], int st, float sa0, float sa1,

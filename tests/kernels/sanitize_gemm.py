@@ -15,7 +15,9 @@ scale blocks), both weight-scale granularities, bias, bf16 and fp16 outputs, blo
 and fp8_linear. Data and references are made on the CPU, so the GPU runs little besides our
 kernels (and the instrumented run stays short). Exit code 0 only if every result is right.
 FP8LINEAR_SM90_GEMM_CONFIG=i runs every case through large-M configuration i (the cluster and
-128x192 configurations are not picked for shapes this small otherwise).
+128x192 configurations are not picked for shapes this small otherwise); --configs all runs the
+cases once as the heuristic plans them and then once under each configuration forced, in one
+process (one sanitizer start).
 """
 from __future__ import annotations
 
@@ -100,6 +102,8 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="sm90", help="FP8LINEAR_BACKEND to force")
     p.add_argument("--device", default="cuda",
                    help="cpu: dry run of this script on the torch reference")
+    p.add_argument("--configs", default="",
+                   help="then again with each large-M configuration forced: 'all' or e.g. 0,5")
     a = p.parse_args(argv)
     if a.device == "cpu":
         a.backend = "reference"
@@ -113,19 +117,29 @@ def main(argv=None) -> int:
         if not sm90.available():
             print("sanitize_gemm: the sm90 backend is not available", file=sys.stderr)
             return 3
+    from fp8linear.kernels import heuristics
+    forced = [None]  # the heuristic's plans first
+    if a.configs:
+        n_cfg = len(heuristics.SM90_GEMM_CONFIGS)
+        forced += (list(range(n_cfg)) if a.configs == "all"
+                   else [int(c) for c in a.configs.split(",")])
     fails = 0
-    for i, case in enumerate(CASES):
-        if a.quick and i not in QUICK:
-            continue
-        m, n, k, per_row, dtype, with_bias = case
-        t = time.time()
-        errs = run_case(i, *case, dev=a.device)
-        status = "ok" if not errs else "FAIL " + "; ".join(errs)
-        fails += bool(errs)
-        print(f"case {i}: M={m} N={n} K={k} {'row' if per_row else 'blk'} "
-              f"{str(dtype).split('.')[-1]} bias={with_bias} "
-              f"plan={plan(m, n, k) if a.device == 'cuda' else '-'} "
-              f"{time.time() - t:.1f}s {status}", flush=True)
+    for cfg in forced:
+        if cfg is not None:
+            os.environ["FP8LINEAR_SM90_GEMM_CONFIG"] = str(cfg)
+            heuristics.reload_env()
+        for i, case in enumerate(CASES):
+            if a.quick and i not in QUICK:
+                continue
+            m, n, k, per_row, dtype, with_bias = case
+            t = time.time()
+            errs = run_case(i, *case, dev=a.device)
+            status = "ok" if not errs else "FAIL " + "; ".join(errs)
+            fails += bool(errs)
+            print(f"case {i}: M={m} N={n} K={k} {'row' if per_row else 'blk'} "
+                  f"{str(dtype).split('.')[-1]} bias={with_bias} "
+                  f"plan={plan(m, n, k) if a.device == 'cuda' else '-'} "
+                  f"{time.time() - t:.1f}s {status}", flush=True)
     print(f"sanitize_gemm: {'ALL OK' if not fails else f'{fails} FAILED'} "
           f"({time.time() - t0:.1f}s)", flush=True)
     return 1 if fails else 0
