@@ -25,7 +25,7 @@ constexpr Config kConfigs[] = {
     {128, 192, 4, 1, false, false}, {256, 128, 3, 1, false, false}, {256, 128, 3, 2, true, false},
     {64, 64, 12, 1, false, false},  {128, 64, 8, 1, false, false},  {64, 32, 16, 1, false, false},
     {64, 16, 16, 1, false, false},  {128, 96, 6, 1, false, false},  {128, 160, 5, 2, false, false},
-    {64, 48, 15, 1, false, false},  {128, 128, 5, 1, false, true}};
+    {64, 48, 15, 1, false, false},  {128, 128, 5, 1, false, true},  {128, 192, 4, 2, false, false}};
 
 // A launch of `grid` CTAs in clusters of `cluster` along x (1: a plain launch, no cluster
 // attribute); `attr` (room for one more) must outlive the config.

@@ -324,7 +324,7 @@ SM90_GEMM_CONFIGS = (
     (128, 192, 4, 1, False, False), (256, 128, 3, 1, False, False), (256, 128, 3, 2, True, False),
     (64, 64, 12, 1, False, False), (128, 64, 8, 1, False, False), (64, 32, 16, 1, False, False),
     (64, 16, 16, 1, False, False), (128, 96, 6, 1, False, False), (128, 160, 5, 2, False, False),
-    (64, 48, 15, 1, False, False), (128, 128, 5, 1, False, True))
+    (64, 48, 15, 1, False, False), (128, 128, 5, 1, False, True), (128, 192, 4, 2, False, False))
 
 
 def gemm_lean(config: int) -> bool:
@@ -446,6 +446,9 @@ def sm90_gemm_early_weights(m: int, k: int, config: int, after_quant: bool) -> i
         max_m = SM90_GEMM_EARLY_B_MAX_M if cdiv(k, BLOCK) >= 8 else SM90_GEMM_EARLY_B_SHORT_K_MAX_M
     return stages if m <= max_m else 0
 
+
+SM90_GEMM_PAIR192_MIN_M = 2048
+SM90_GEMM_PAIR192_MIN_WEIGHTS = 1 << 27  # N x K elements (128 MiB of fp8 weights)
 
 _GEMM_GROUP_M = "FP8LINEAR_SM90_GEMM_GROUP_M"
 SM90_GEMM_GROUP_M = 8
@@ -711,6 +714,18 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
     def cost(c):
         return _waves_x_area(m, n, num_sms, SM90_GEMM_CONFIGS[c])
     best = min(candidates, key=cost)
+    if best == 3 and m >= SM90_GEMM_PAIR192_MIN_M and n * k >= SM90_GEMM_PAIR192_MIN_WEIGHTS:
+        # Weights of >= 128M elements at >= 2048 tokens: 128x192 tiles as pairs sharing the
+        # weight tile (config 14: vertically adjacent tiles, each CTA loading half of it and
+        # multicasting it to both). Every band of the tile order streams the whole weight from
+        # DRAM once (it far exceeds the L2), and a pair halves the bands (a unit is two M
+        # blocks), so the DRAM traffic for weights halves. Smaller weights lose 1-3% (the pair's
+        # cluster scheduling; 6144x4096, 24576x1536, 28672x4096). H100, block_fp8_gemm back to
+        # back, forced configs, two sweeps (2 + 3 runs, orders rotated;
+        # results/2026-11-26_gemm_128x192_pairs_h100.log), 128x192 -> its pairs: 57344x8192 x
+        # 2048 / 4096 / 8192 +2.2 / +3.9 / +1.6% and +4.6 / +2.8 / +3.3%, 8192x28672 x 8192 +4.0%
+        # and +1.7%.
+        return ("gemm", 14)
     if best == 5 and 512 <= m <= 1024 and num_kb <= 16:
         # Short K loops (<= 16 blocks) at 512-1024 tokens: 128x128 tiles whose two math
         # warpgroups keep two partial accumulators (config 13: K block kb+1's wgmmas queued
