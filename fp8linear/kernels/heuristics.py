@@ -449,6 +449,7 @@ def sm90_gemm_early_weights(m: int, k: int, config: int, after_quant: bool) -> i
 
 SM90_GEMM_PAIR192_MIN_M = 2048
 SM90_GEMM_PAIR192_MIN_WEIGHTS = 1 << 27  # N x K elements (128 MiB of fp8 weights)
+SM90_GEMM_PAIRS_OVER_192_MIN_M = 4096
 
 _GEMM_GROUP_M = "FP8LINEAR_SM90_GEMM_GROUP_M"
 SM90_GEMM_GROUP_M = 8
@@ -726,6 +727,22 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
         # 2048 / 4096 / 8192 +2.2 / +3.9 / +1.6% and +4.6 / +2.8 / +3.3%, 8192x28672 x 8192 +4.0%
         # and +1.7%.
         return ("gemm", 14)
+    if best == 3 and m >= SM90_GEMM_PAIRS_OVER_192_MIN_M and n % 256 == 0:
+        # From 4096 tokens, where N is whole 256-column pair units, the 256x128 pairs instead of
+        # 128x192. Interleaved A/Bs (one replay of each variant in turn under one shared clock,
+        # as bench_gemm.py times too) rank 128x192 first, but it moves the most L2 -> SM data
+        # per FLOP, and at the power cap, where every GEMM here runs, that costs clock: run
+        # alone for seconds, as a model's prefill runs them, the pairs win. H100, sustained
+        # runs: a Llama-3.1-8B layer's four projections (fp8_linear, 4 layers of weights) with
+        # the pairs everywhere vs this heuristic's 128x192 for qkv and gate_up: 4096 tokens
+        # 1648 vs 1710 us a layer, 8192 3234 vs 3454 (scripts/dev_prefill_layers.py,
+        # results/2026-11-26_gemm_prefill_layers_h100.log); single shapes against DeepGEMM
+        # in the same process (results/2026-11-26_gemm_sustained_tiles_h100.log): 6144x4096,
+        # 24576x1536, 28672x4096, 8192^2, 32768x512 at 4096-8192 tokens -0.4 to +6.7%
+        # (8192^2 x 8192 0.889 -> 0.949 of DeepGEMM). Ragged N keeps 128x192 (2112 = 11 x 192:
+        # 1.093 vs 1.005 of DeepGEMM at 8192 tokens). In the interleaved benchmark these
+        # points lose 0-3% (session 24's forced-config sweep).
+        return ("gemm", 5)
     if best == 5 and 512 <= m <= 1024 and num_kb <= 16:
         # Short K loops (<= 16 blocks) at 512-1024 tokens: 128x128 tiles whose two math
         # warpgroups keep two partial accumulators (config 13: K block kb+1's wgmmas queued

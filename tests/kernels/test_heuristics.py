@@ -41,7 +41,12 @@ H100 = h.TritonDevice(SMS, 227 * 1024, False, (9, 0))
     (512, 6144, 4096, 3),     # 128x96 only below 512 tokens (24.4 vs 21.5 us with 128x192)
     (512, 4096, 4096, 0),     # one full wave of 128x128; 256x128 would idle half the SMs
     (512, 8192, 8192, 5),     # two waves of 128x128 = one of 256x128, which is cheaper
-    (8192, 8192, 8192, 3),    # 21 waves of 128x192 (0.86 an area) vs 16 of 256x128 pairs
+    (8192, 8192, 8192, 5),    # from 4096 tokens the pairs over 128x192 where N is whole pair units
+    (2048, 6144, 4096, 3),    # (not below 4096 tokens)
+    (8192, 57344, 8192, 14),  # weights >= 2^27 elements: 128x192 pairs sharing the weight tile
+    (2048, 57344, 8192, 14),
+    (1024, 57344, 8192, 5),   # (not below 2048 tokens)
+    (8192, 28672, 4096, 5),   # 117M elements: under 2^27, so the 256x128 pairs
     (2048, 4096, 4096, 5),
     (512, 28672, 4096, 3),    # 5 waves of 128x192 (0.9 an area) vs 4 of 256x128 (0.87)
     (512, 2112, 7168, 7),     # 68 tiles of 128x128 (half a wave) or 132 of 128x64

@@ -1,0 +1,126 @@
+"""Device dev check: the four projections of Llama-3.1-8B-shaped layers (qkv [6144, 4096],
+o [4096, 4096], gate_up [28672, 4096], down [4096, 14336]; fp8_linear from bf16, 128x128
+weight blocks) at prefill sizes, --layers layers with their own weights (past the L2), as one
+CUDA graph replayed *alone* for --seconds per variant while nvidia-smi samples the SM clock and
+power. A variant is a set of FP8LINEAR_* overrides (as in dev_variants.py); the variants take
+turns in --rounds rounds. Unlike the interleaved A/Bs (one replay of each variant in turn, one
+shared clock), each variant here pays its own power draw in clock, as a model's prefill does.
+
+    python scripts/dev_prefill_layers.py --m 4096,8192 \
+        --variants "heur:;pairs:FP8LINEAR_SM90_GEMM_CONFIG=5"
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import torch  # noqa: E402
+
+import fp8linear  # noqa: E402
+import dev_variants as V  # noqa: E402
+
+PROJ = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--m", default="4096,8192")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--variants", default="heur:")
+    args = ap.parse_args()
+    variants = {}
+    for spec in filter(None, args.variants.split(";")):
+        name, _, assigns = spec.partition(":")
+        variants[name] = dict(a.split("=", 1) for a in assigns.split(",") if a)
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    layers = []
+    for _ in range(args.layers):
+        w = {}
+        for name, (n, k) in PROJ.items():
+            wb = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+            w[name] = fp8linear.quantize_weight(wb)
+            del wb
+        layers.append(w)
+    flops_layer = {m: sum(2 * m * n * k for n, k in PROJ.values()) for m in map(int, args.m.split(","))}
+
+    smi = subprocess.Popen(
+        ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw",
+         "--format=csv,noheader,nounits", "-lms", "20"], stdout=subprocess.PIPE, text=True)
+    samples = []
+
+    def reader():
+        for line in smi.stdout:
+            parts = [p.strip() for p in line.split(",")]
+            try:
+                samples.append((time.time(), float(parts[1]), float(parts[2])))
+            except (ValueError, IndexError):
+                pass
+
+    threading.Thread(target=reader, daemon=True).start()
+
+    for m in map(int, args.m.split(",")):
+        x = torch.randn(m, 4096, device="cuda", generator=g, dtype=torch.bfloat16)
+        h = torch.randn(m, 14336, device="cuda", generator=g, dtype=torch.bfloat16)
+
+        def step():
+            for w in layers:
+                for name in ("qkv", "o", "gate_up"):
+                    fp8linear.fp8_linear(x, *w[name])
+                fp8linear.fp8_linear(h, *w["down"])
+
+        graphs, plans = {}, {}
+        for vname, env in variants.items():
+            old = V.with_env(env)
+            from fp8linear.kernels import heuristics as H
+            plans[vname] = {p: H.sm90_plan(m, n, k, torch.cuda.get_device_properties(0)
+                                           .multi_processor_count) for p, (n, k) in PROJ.items()}
+            step()  # warm-up outside the capture
+            torch.cuda.synchronize()
+            gr = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gr):
+                step()
+            graphs[vname] = gr
+            V.restore(old)
+            print(f"M={m} {vname}: plans {plans[vname]}", flush=True)
+        for rnd in range(args.rounds):
+            for vname, gr in graphs.items():
+                gr.replay()
+                torch.cuda.synchronize()
+                t0 = time.time()
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                count = 0
+                while time.time() - t0 < args.seconds:
+                    gr.replay()
+                    count += 1
+                    if count % 4 == 0:
+                        torch.cuda.synchronize()
+                e1.record()
+                e1.synchronize()
+                t1 = time.time()
+                time.sleep(0.1)
+                us = e0.elapsed_time(e1) * 1000 / (count * args.layers)
+                win = [s for s in samples if t0 + 0.3 <= s[0] <= t1]
+                clk = statistics.median(s[1] for s in win) if win else float("nan")
+                pw = statistics.median(s[2] for s in win) if win else float("nan")
+                tf = flops_layer[m] / us / 1e6
+                print(f"M={m:<5d} round {rnd} {vname:>8}: {us:9.1f} us a layer  {tf:6.0f} TFLOPS  "
+                      f"SM {clk:5.0f} MHz  {pw:4.0f} W  ({len(win)} samples)", flush=True)
+        del graphs
+    smi.terminate()
+
+
+if __name__ == "__main__":
+    main()
