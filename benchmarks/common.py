@@ -242,6 +242,68 @@ def time_graphs_interleaved(graphs: dict, replays: int, warmup: int = 3) -> dict
     return {n: [a.elapsed_time(b) * 1e3 for a, b in evs[n]] for n in names}
 
 
+class ClockSampler:
+    """nvidia-smi sampling the SM clock and power every 20 ms in a background thread, for
+    runs at the power cap (stop() when done)."""
+
+    def __init__(self):
+        import threading
+        import time
+        self._time = time
+        self.samples = []  # (wall time, SM clock MHz, power W), stamped as each line arrives
+        self._smi = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw",
+             "--format=csv,noheader,nounits", "-lms", "20"], stdout=subprocess.PIPE, text=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self._smi.stdout:
+            parts = [p.strip() for p in line.split(",")]
+            try:
+                self.samples.append((self._time.time(), float(parts[1]), float(parts[2])))
+            except (ValueError, IndexError):
+                pass
+
+    def window(self, t0: float, t1: float) -> tuple[float, float, int]:
+        """Median SM clock (MHz) and power (W) of the samples in [t0, t1], and their count."""
+        win = [s for s in self.samples if t0 <= s[0] <= t1]
+        if not win:
+            return float("nan"), float("nan"), 0
+        return (statistics.median(s[1] for s in win), statistics.median(s[2] for s in win),
+                len(win))
+
+    def stop(self):
+        self._smi.terminate()
+
+
+def replay_alone(graph, seconds: float, sampler: ClockSampler, settle_s: float = 0.3) -> dict:
+    """Replays one CUDA graph back to back for `seconds` (nothing else on the GPU), as a
+    model's prefill runs its GEMMs at the power cap, where an interleaved A/B (one shared
+    clock) under-charges a kernel that draws more power. Returns us per replay (CUDA events)
+    and the median SM clock and power after `settle_s`."""
+    import time
+    import torch
+    graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.time()
+    e0 = torch.cuda.Event(enable_timing=True)
+    e1 = torch.cuda.Event(enable_timing=True)
+    e0.record()
+    count = 0
+    while time.time() - t0 < seconds:
+        graph.replay()
+        count += 1
+        if count % 4 == 0:
+            torch.cuda.synchronize()
+    e1.record()
+    e1.synchronize()
+    t1 = time.time()
+    time.sleep(0.1)  # the sampler's last lines
+    clk, power, n = sampler.window(t0 + settle_s, t1)
+    return {"us": e0.elapsed_time(e1) * 1000 / count, "clock_mhz": clk, "power_w": power,
+            "samples": n}
+
+
 def measure_read_bandwidth(gib: float = 2.0, iters: int = 20, device: str = "cuda") -> dict:
     """Read-only reductions over a >= 1 GiB fp32 buffer (sum and amax: one pass, no writes
     but a scalar); bytes read / median time, the best of the two. The floor of a decode GEMM

@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import subprocess
 import sys
-import threading
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -38,20 +34,7 @@ def main():
     methods = [m for m in methods if m not in libs.dropped]
     for m_, why in libs.dropped.items():
         print(f"# dropped {m_}: {why}")
-    smi = subprocess.Popen(
-        ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw",
-         "--format=csv,noheader,nounits", "-lms", "20"], stdout=subprocess.PIPE, text=True)
-    samples = []  # (wall time, clock MHz, power W), stamped as each line arrives
-
-    def reader():
-        for line in smi.stdout:
-            parts = [p.strip() for p in line.split(",")]
-            try:
-                samples.append((time.time(), float(parts[1]), float(parts[2])))
-            except (ValueError, IndexError):
-                pass
-
-    threading.Thread(target=reader, daemon=True).start()
+    sampler = C.ClockSampler()
 
     rows = []
     for spec in args.shapes.split(","):
@@ -65,34 +48,15 @@ def main():
                       for meth in methods}
             for rep in range(2):
                 for meth, g in graphs.items():
-                    g.replay()
-                    torch.cuda.synchronize()
-                    t0 = time.time()
-                    ev0 = torch.cuda.Event(enable_timing=True)
-                    ev1 = torch.cuda.Event(enable_timing=True)
-                    ev0.record()
-                    count = 0
-                    while time.time() - t0 < args.seconds:
-                        g.replay()
-                        count += 1
-                        if count % 8 == 0:
-                            torch.cuda.synchronize()
-                    ev1.record()
-                    ev1.synchronize()
-                    t1 = time.time()
-                    time.sleep(0.1)
-                    us = ev0.elapsed_time(ev1) * 1000 / (count * launches)
-                    # samples of the steady part (after the first 0.3 s)
-                    win = [s for s in samples if t0 + 0.3 <= s[0] <= t1]
-                    clk = statistics.median(s[1] for s in win) if win else float("nan")
-                    pw = statistics.median(s[2] for s in win) if win else float("nan")
+                    r = C.replay_alone(g, args.seconds, sampler)
+                    us, clk, pw = r["us"] / launches, r["clock_mhz"], r["power_w"]
                     tf = 2 * m * n * k / us / 1e6
                     rows.append(f"{spec:>11} M={m:<5d} rep {rep} {meth:>18}: {us:8.1f} us "
                                 f"{tf:6.0f} TFLOPS  SM {clk:5.0f} MHz  {pw:5.0f} W  "
-                                f"{tf / (clk / 1000):6.0f} TFLOPS/GHz  ({len(win)} samples)")
+                                f"{tf / (clk / 1000):6.0f} TFLOPS/GHz  ({r['samples']} samples)")
                     print(rows[-1], flush=True)
             del graphs
-    smi.terminate()
+    sampler.stop()
 
 
 if __name__ == "__main__":

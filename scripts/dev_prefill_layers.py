@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import subprocess
 import sys
-import threading
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import torch  # noqa: E402
 
+import common as C  # noqa: E402
 import fp8linear  # noqa: E402
 import dev_variants as V  # noqa: E402
 
@@ -55,20 +53,7 @@ def main():
         layers.append(w)
     flops_layer = {m: sum(2 * m * n * k for n, k in PROJ.values()) for m in map(int, args.m.split(","))}
 
-    smi = subprocess.Popen(
-        ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw",
-         "--format=csv,noheader,nounits", "-lms", "20"], stdout=subprocess.PIPE, text=True)
-    samples = []
-
-    def reader():
-        for line in smi.stdout:
-            parts = [p.strip() for p in line.split(",")]
-            try:
-                samples.append((time.time(), float(parts[1]), float(parts[2])))
-            except (ValueError, IndexError):
-                pass
-
-    threading.Thread(target=reader, daemon=True).start()
+    sampler = C.ClockSampler()
 
     for m in map(int, args.m.split(",")):
         x = torch.randn(m, 4096, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -96,30 +81,14 @@ def main():
             print(f"M={m} {vname}: plans {plans[vname]}", flush=True)
         for rnd in range(args.rounds):
             for vname, gr in graphs.items():
-                gr.replay()
-                torch.cuda.synchronize()
-                t0 = time.time()
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                count = 0
-                while time.time() - t0 < args.seconds:
-                    gr.replay()
-                    count += 1
-                    if count % 4 == 0:
-                        torch.cuda.synchronize()
-                e1.record()
-                e1.synchronize()
-                t1 = time.time()
-                time.sleep(0.1)
-                us = e0.elapsed_time(e1) * 1000 / (count * args.layers)
-                win = [s for s in samples if t0 + 0.3 <= s[0] <= t1]
-                clk = statistics.median(s[1] for s in win) if win else float("nan")
-                pw = statistics.median(s[2] for s in win) if win else float("nan")
+                r = C.replay_alone(gr, args.seconds, sampler)
+                us = r["us"] / args.layers
                 tf = flops_layer[m] / us / 1e6
                 print(f"M={m:<5d} round {rnd} {vname:>8}: {us:9.1f} us a layer  {tf:6.0f} TFLOPS  "
-                      f"SM {clk:5.0f} MHz  {pw:4.0f} W  ({len(win)} samples)", flush=True)
+                      f"SM {r['clock_mhz']:5.0f} MHz  {r['power_w']:4.0f} W  ({r['samples']} samples)",
+                      flush=True)
         del graphs
-    smi.terminate()
+    sampler.stop()
 
 
 if __name__ == "__main__":
