@@ -112,6 +112,12 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=2, help="whole-sweep repetitions (>= 2)")
     p.add_argument("--replays", type=int, default=20, help="timed replays per point and method")
     p.add_argument("--warmup-replays", type=int, default=3)
+    p.add_argument("--sustained", type=float, default=0.0, metavar="S",
+                   help="also replay each method's graph alone for S seconds per point and repeat "
+                        "(back to back only, CUDA only), with nvidia-smi clock and power: at the "
+                        "power cap a method run alone pays its own power draw in clock, which "
+                        "the interleaved replays share (rows: us_sustained, "
+                        "sustained_speedup_vs_<anchor>, clock_mhz_sustained, power_w_sustained)")
     p.add_argument("--quick", action="store_true",
                    help=f"shapes {C.QUICK_SHAPES}, M {C.QUICK_M} unless given")
     p.add_argument("--decode", action="store_true",
@@ -599,6 +605,7 @@ class Sweep:
         self.extra: dict[tuple, dict] = {}
         self.point_errors: list[str] = []
         self.cache: dict[tuple, ShapeData] = {}
+        self.sampler = (C.ClockSampler() if args.sustained > 0 and DEV == "cuda" else None)
 
     def shape_data(self, n, k):
         key = (n, k)
@@ -690,6 +697,13 @@ class Sweep:
                     ex.setdefault("us_elem_samples", []).append(elem_us)
                 else:
                     reps[rep].extend(ts)
+            if self.sampler is not None and mode == "b2b":
+                for meth, g in graphs.items():
+                    r = C.replay_alone(g, self.args.sustained, self.sampler)
+                    ex = self.extra.setdefault((meth, n, k, m, mode), {})
+                    ex.setdefault("us_sustained_samples", []).append(r["us"] / launches[meth])
+                    ex.setdefault("clock_sustained_samples", []).append(r["clock_mhz"])
+                    ex.setdefault("power_sustained_samples", []).append(r["power_w"])
             del graphs
 
     def rows(self):
@@ -719,6 +733,10 @@ class Sweep:
             if mode != "b2b":
                 row["us_gross"] = C.median(ex.pop("us_gross_samples", []))
                 row["us_elem"] = C.median(ex.pop("us_elem_samples", []))
+            if "us_sustained_samples" in ex:
+                row["us_sustained"] = C.median(ex.pop("us_sustained_samples"))
+                row["clock_mhz_sustained"] = C.median(ex.pop("clock_sustained_samples"))
+                row["power_w_sustained"] = C.median(ex.pop("power_sustained_samples"))
             row.update(ex)
             rows.append(row)
         C.add_derived(rows)
@@ -790,7 +808,10 @@ def main(argv=None) -> int:
                   warmup_replays=args.warmup_replays, min_copy_mb=args.min_mb,
                   timing="CUDA graph of L launches cycling R weight copies (> min_copy_mb); "
                          "us = median over all repeats of replay time / L; methods "
-                         "interleaved replay by replay",
+                         "interleaved replay by replay" + (
+                             f"; with --sustained {args.sustained}: also each method's graph "
+                             "alone for that long per point and repeat (us_sustained)"
+                             if args.sustained > 0 else ""),
                   neighbour_ops={"elem": "torch.mul of [M, K] bf16 by [K], no PDL",
                                  "norm": "Triton RMSNorm of [M, K] bf16, no PDL",
                                  "norm_pdl": "the same launched with PDL, gdc_wait before "
@@ -872,6 +893,8 @@ def main(argv=None) -> int:
     for mode in modes:
         print(C.format_rows(rows, mode=mode))
     print(C.target_summary(rows))
+    if sweep.sampler is not None:
+        sweep.sampler.stop()
     if sweep.point_errors:
         print(f"{len(sweep.point_errors)} point errors (see header.point_errors); first: "
               f"{sweep.point_errors[0]}")

@@ -51,3 +51,32 @@ def test_elem_neighbour_multiplies():
     o = torch.full_like(x, float("nan"))
     neighbour.make("elem", x, g, o)()
     assert torch.equal(o, x * g)
+
+
+def test_sustained_speedups_and_summary():
+    """--sustained rows: sustained_speedup_vs_<anchor> from us_sustained, beside the
+    interleaved speedup, and a line of their own in the issue-3 summary."""
+    import common as C
+    rows = []
+    for m, ours, dg, ours_s, dg_s in ((4096, 100.0, 95.0, 110.0, 104.5),
+                                      (8192, 200.0, 210.0, 220.0, 231.0)):
+        rows.append({"method": "fp8linear", "N": 8192, "K": 8192, "M": m, "mode": "b2b",
+                     "us": ours, "us_sustained": ours_s})
+        rows.append({"method": "deepgemm", "N": 8192, "K": 8192, "M": m, "mode": "b2b",
+                     "us": dg, "us_sustained": dg_s})
+    C.add_derived(rows)
+    r4 = rows[0]
+    assert r4["speedup_vs_deepgemm"] == pytest.approx(0.95)
+    assert r4["sustained_speedup_vs_deepgemm"] == pytest.approx(0.95)
+    assert rows[2]["sustained_speedup_vs_deepgemm"] == pytest.approx(1.05)
+    text = C.target_summary(rows)
+    line = [s for s in text.splitlines() if "run alone" in s]
+    assert len(line) == 1, text
+    assert "geomean 0.999" in line[0] and "min 0.950 at 8192x8192 M=4096" in line[0], line[0]
+    # rows without sustained times get no sustained speedup and no summary line
+    plain = [dict(r) for r in rows]
+    for r in plain:
+        r.pop("us_sustained")
+    C.add_derived(plain)
+    assert "sustained_speedup_vs_deepgemm" not in plain[0]
+    assert "run alone" not in C.target_summary(plain)
