@@ -255,6 +255,8 @@ class ClockSampler:
             ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw",
              "--format=csv,noheader,nounits", "-lms", "20"], stdout=subprocess.PIPE, text=True)
         threading.Thread(target=self._read, daemon=True).start()
+        import atexit
+        atexit.register(self.stop)  # never leave nvidia-smi running behind an early exit
 
     def _read(self):
         for line in self._smi.stdout:
@@ -273,7 +275,8 @@ class ClockSampler:
                 len(win))
 
     def stop(self):
-        self._smi.terminate()
+        if self._smi.poll() is None:
+            self._smi.terminate()
 
 
 def replay_alone(graph, seconds: float, sampler: ClockSampler, settle_s: float = 0.3) -> dict:
