@@ -6,6 +6,7 @@ they run and can be checked on a machine without a GPU; the timing helpers need 
 """
 from __future__ import annotations
 
+import atexit
 import datetime as _dt
 import json
 import math
@@ -13,6 +14,8 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
+import time
 from typing import Callable, Iterable, Sequence
 
 # ------------------------------------------------------------------------------ shapes
@@ -216,7 +219,6 @@ def time_graphs_interleaved(graphs: dict, replays: int, warmup: int = 3) -> dict
     the end: the GPU runs the replays back to back."""
     names = list(graphs)
     if any(isinstance(g, CpuGraph) for g in graphs.values()):
-        import time
         res = {n: [] for n in names}
         for r in range(warmup + replays):
             rot = r % len(names)
@@ -247,22 +249,18 @@ class ClockSampler:
     runs at the power cap (stop() when done)."""
 
     def __init__(self):
-        import threading
-        import time
-        self._time = time
         self.samples = []  # (wall time, SM clock MHz, power W), stamped as each line arrives
         self._smi = subprocess.Popen(
             ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw",
              "--format=csv,noheader,nounits", "-lms", "20"], stdout=subprocess.PIPE, text=True)
         threading.Thread(target=self._read, daemon=True).start()
-        import atexit
         atexit.register(self.stop)  # never leave nvidia-smi running behind an early exit
 
     def _read(self):
         for line in self._smi.stdout:
             parts = [p.strip() for p in line.split(",")]
             try:
-                self.samples.append((self._time.time(), float(parts[1]), float(parts[2])))
+                self.samples.append((time.time(), float(parts[1]), float(parts[2])))
             except (ValueError, IndexError):
                 pass
 
@@ -284,7 +282,6 @@ def replay_alone(graph, seconds: float, sampler: ClockSampler, settle_s: float =
     model's prefill runs its GEMMs at the power cap, where an interleaved A/B (one shared
     clock) under-charges a kernel that draws more power. Returns us per replay (CUDA events)
     and the median SM clock and power after `settle_s`."""
-    import time
     import torch
     graph.replay()
     torch.cuda.synchronize()
@@ -319,7 +316,6 @@ def measure_read_bandwidth(gib: float = 2.0, iters: int = 20, device: str = "cud
         for _ in range(3):
             fn(buf)
         if device == "cpu":
-            import time
             ts = []
             for _ in range(iters):
                 t = time.perf_counter()

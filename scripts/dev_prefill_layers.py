@@ -25,6 +25,7 @@ import torch  # noqa: E402
 import common as C  # noqa: E402
 import fp8linear  # noqa: E402
 import dev_variants as V  # noqa: E402
+from fp8linear.kernels import heuristics as H  # noqa: E402
 
 PROJ = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
@@ -37,10 +38,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--variants", default="heur:")
     args = ap.parse_args()
-    variants = {}
-    for spec in filter(None, args.variants.split(";")):
-        name, _, assigns = spec.partition(":")
-        variants[name] = dict(a.split("=", 1) for a in assigns.split(",") if a)
+    variants = V.parse_variants(argparse.Namespace(configs=None, variants=args.variants))
 
     g = torch.Generator(device="cuda").manual_seed(0)
     layers = []
@@ -65,12 +63,11 @@ def main():
                     fp8linear.fp8_linear(x, *w[name])
                 fp8linear.fp8_linear(h, *w["down"])
 
-        graphs, plans = {}, {}
+        graphs = {}
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
         for vname, env in variants.items():
             old = V.with_env(env)
-            from fp8linear.kernels import heuristics as H
-            plans[vname] = {p: H.sm90_plan(m, n, k, torch.cuda.get_device_properties(0)
-                                           .multi_processor_count) for p, (n, k) in PROJ.items()}
+            plans = {p: H.sm90_plan(m, n, k, sms) for p, (n, k) in PROJ.items()}
             step()  # warm-up outside the capture
             torch.cuda.synchronize()
             gr = torch.cuda.CUDAGraph()
@@ -78,7 +75,7 @@ def main():
                 step()
             graphs[vname] = gr
             V.restore(old)
-            print(f"M={m} {vname}: plans {plans[vname]}", flush=True)
+            print(f"M={m} {vname}: plans {plans}", flush=True)
         for rnd in range(args.rounds):
             for vname, gr in graphs.items():
                 r = C.replay_alone(gr, args.seconds, sampler)
