@@ -30,6 +30,21 @@ int pick_stages(int rows, int bt, int kbs, bool per_row, bool fused, bool row_st
   return stages;
 }
 
+// Weight stages a CTA keeps in flight (0: the whole ring). 128-row CTAs two an SM have the
+// most weight bytes in flight an SM (two rings of ~96 KB), and every SM's requests queue in
+// the memory system ahead of the loads each kernel's critical path waits for (activations,
+// the quant kernel's reads, the split reduction): 2 stages (32 KB) a CTA keep HBM busy
+// without that queue. H100, results/2026-11-26_decode_weight_window_h100.log, M = 1-16:
+// 32768x512 8-20% faster back to back, after an elementwise kernel and after our fused norm
+// (2-13% for fp8_linear after an elementwise kernel); 24576x1536 2-7% faster after a kernel,
+// 2-4% slower back to back. On other plans the same window loses back to back (64-row CTAs
+// two an SM up to 24%, one CTA an SM 5-10%), and a 64 KB one gains 0-4% after a kernel on
+// long K ranges but loses up to 4% back to back: not used there.
+int window_stages(int rows, int ctas_per_sm, int stages) {
+  const int w = rows == kDecodeMaxRows && ctas_per_sm == 2 ? 2 : 0;
+  return w < stages ? w : 0;
+}
+
 template <int BT, int kRows, bool kPerRow, typename OutT, int kCtasPerSM, bool kRowStep>
 std::string launch(const DecodeArgs& d, cudaStream_t stream) {
   constexpr int kSmemLimit = smem_limit(kCtasPerSM);
@@ -69,7 +84,7 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
                  d.w_scale,   d.bias,     d.bias_f32, d.out,     d.workspace,   d.counters,
                  d.M,         d.N,        d.K,       num_kb,        d.splits,
                  stages,      d.cluster_reduce ? 1 : 0, d.pdl && d.early_trigger ? 1 : 0,
-                 row_step};
+                 row_step,    window_stages(kRows, kCtasPerSM, stages)};
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((d.N + row_step - 1) / row_step, (d.M + BT - 1) / BT, d.splits);
   cfg.blockDim = dim3(384);

@@ -73,6 +73,7 @@ struct DecodeParams {
   int early_trigger;     // PDL: let the next kernel launch at our start, not after the prologue
   int row_step;          // kRowStep: the weight rows a CTA owns, 72..120 (a multiple of 8), so
                          // that N / row_step CTAs fill the SMs (heuristics.py: _decode_rows)
+  int window;            // weight stages in flight at most (0: the whole ring; decode.cu)
 };
 
 // kRowStep: a 128-row CTA owning only p.row_step rows (a box of that many lands in its stage;
@@ -136,13 +137,21 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
       // Weights are not written by the previous kernel: stream them before griddepcontrol.wait.
       const uint64_t once = l2_policy_evict_first();
       const uint64_t keep = l2_policy_evict_last();  // activations: read by every row CTA
-      const int first = kbs < p.stages ? kbs : p.stages;
+      // (with a window, only its stages go out before the activations: the pacing below
+      // waits for stage i - window, whose activations must be requested by then)
+      int first = kbs < p.stages ? kbs : p.stages;
+      if (p.window > 0 && p.window < first) first = p.window;
       // (a CTA of fewer rows than kRows loads a row_step-row box; the stage's other rows are
       // stale, and their results are never stored)
       const uint32_t bytes = kRowStep ? row_step * kBlockK + (fused ? 0 : BT * kBlockK) : L.stage;
       for (int i = 0; i < kbs; ++i) {
         const int s = i % p.stages;
         mbar_wait(&empty[s], ((i / p.stages) & 1) ^ 1);
+        if (p.window > 0 && i >= p.window) {
+          // at most p.window stages in flight: wait for stage i - window to land
+          const int j = i - p.window;
+          mbar_wait(&full[j % p.stages], (j / p.stages) & 1);
+        }
         mbar_arrive_expect_tx(&full[s], bytes);
         tma_load_2d(sW + s * L.stage, &tmap_w, &full[s], (kb0 + i) * kBlockK, n0, once);
         if (fused) continue;  // the math warps read and quantize the activations themselves

@@ -17,7 +17,9 @@ kernels (and the instrumented run stays short). Exit code 0 only if every result
 FP8LINEAR_SM90_GEMM_CONFIG=i runs every case through large-M configuration i (the cluster and
 128x192 configurations are not picked for shapes this small otherwise); --configs all runs the
 cases once as the heuristic plans them and then once under each configuration forced, in one
-process (one sanitizer start).
+process (one sanitizer start), and the decode cases again under DECODE_PLANS (128-row CTAs
+two an SM, whose producer keeps a window of weight stages in flight, are not picked for N
+this small otherwise).
 """
 from __future__ import annotations
 
@@ -46,6 +48,13 @@ CASES = [
     (1000, 392, 1040, False, torch.bfloat16, False), # large-M path, several tiles
 ]
 QUICK = [0, 2, 5, 6, 7]   # racecheck is slow on warp-specialized kernels: fewer cases
+# decode plans forced for the decode cases under --configs all (knob sets)
+DECODE_PLANS = [
+    {"FP8LINEAR_SM90_DECODE_ROWS": "128", "FP8LINEAR_SM90_DECODE_CTAS": "2"},
+    {"FP8LINEAR_SM90_DECODE_ROWS": "128", "FP8LINEAR_SM90_DECODE_CTAS": "2",
+     "FP8LINEAR_SM90_DECODE_SPLITS": "3"},
+]
+DECODE_MAX_M = 32  # (the cases at or below it run the decode kernel)
 
 
 def deq64(q, s):
@@ -118,18 +127,26 @@ def main(argv=None) -> int:
             print("sanitize_gemm: the sm90 backend is not available", file=sys.stderr)
             return 3
     from fp8linear.kernels import heuristics
-    forced = [None]  # the heuristic's plans first
+    forced = [{}]  # knob sets; the heuristic's plans first
     if a.configs:
         n_cfg = len(heuristics.SM90_GEMM_CONFIGS)
-        forced += (list(range(n_cfg)) if a.configs == "all"
-                   else [int(c) for c in a.configs.split(",")])
+        forced += [{"FP8LINEAR_SM90_GEMM_CONFIG": str(c)}
+                   for c in (range(n_cfg) if a.configs == "all" else a.configs.split(","))]
+        if a.configs == "all":
+            forced += DECODE_PLANS
     fails = 0
-    for cfg in forced:
-        if cfg is not None:
-            os.environ["FP8LINEAR_SM90_GEMM_CONFIG"] = str(cfg)
-            heuristics.reload_env()
+    for knobs in forced:
+        for name in {k for f in forced for k in f}:
+            os.environ.pop(name, None)
+        os.environ.update(knobs)
+        heuristics.reload_env()
+        decode_only = any(k.startswith("FP8LINEAR_SM90_DECODE") for k in knobs)
+        if knobs:
+            print("knobs: " + ",".join(f"{k}={v}" for k, v in knobs.items()), flush=True)
         for i, case in enumerate(CASES):
             if a.quick and i not in QUICK:
+                continue
+            if decode_only and case[0] > DECODE_MAX_M:
                 continue
             m, n, k, per_row, dtype, with_bias = case
             t = time.time()
