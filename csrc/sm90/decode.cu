@@ -13,11 +13,12 @@ constexpr int smem_limit(int ctas_per_sm) { return ctas_per_sm == 1 ? 232448 : 1
 // 128 KB of weights in flight per CTA (8 stages of 128 rows, 16 of 64) saturates HBM
 constexpr int kMaxWeightBytesInFlight = 8 * kDecodeMaxRows * kBlockK;
 
-int pick_stages(int rows, int bt, int kbs, bool per_row, bool fused, bool row_step, int limit) {
-  const DecodeLayout none = decode_layout(rows, bt, kbs, 0, per_row, fused, row_step);
+int pick_stages(int rows, int bt, int kbs, bool per_row, bool fused, bool row_step, bool relay,
+                int limit) {
+  const DecodeLayout none = decode_layout(rows, bt, kbs, 0, per_row, fused, row_step, relay);
   // bytes one more stage costs: its ring slot and its two barriers
   const int per_stage =
-      decode_layout(rows, bt, kbs, 1, per_row, fused, row_step).total - none.total + 16;
+      decode_layout(rows, bt, kbs, 1, per_row, fused, row_step, relay).total - none.total + 16;
   const int max_stages = kMaxWeightBytesInFlight / (rows * kBlockK);
   int stages = (limit - none.total - 1024) / per_stage;
   stages = stages < max_stages ? stages : max_stages;
@@ -45,14 +46,29 @@ int window_stages(int rows, int ctas_per_sm, int stages) {
   return w < stages ? w : 0;
 }
 
-template <int BT, int kRows, bool kPerRow, typename OutT, int kCtasPerSM, bool kRowStep>
+// 64-row CTAs two an SM with split K (the 15-17 MB weights: 2112x7168, 4096^2) relay their
+// weights (kRelay) with 4 stages (32 KB) in flight: the window from the start, while the
+// previous kernel runs, without holding the activations back. H100, M = 1-16, runs G-I of
+// results/2026-11-26_decode_weight_window_h100.log: block_fp8_gemm back to back 4-7% faster
+// (2112x7168 x 1-8 6.6 -> 6.3 us, 4096^2 x 1-4 7.3 -> 7.0: 77-78% of the weight-read floor),
+// after our fused norm 8-13%, after a PDL-aware norm 0-9%; fp8_linear after our fused norm
+// 0-19% faster, after an elementwise kernel or a PDL-aware norm 2-3% slower. Unsplit 64-row
+// plans (7168x2048) lose 2-6%, hence split K only.
+bool relay_plan(int rows, int ctas_per_sm, int splits) {
+  return rows == 64 && ctas_per_sm == 2 && splits > 1;
+}
+constexpr int kRelayStages = 4;
+
+template <int BT, int kRows, bool kPerRow, typename OutT, int kCtasPerSM, bool kRowStep,
+          bool kRelay>
 std::string launch(const DecodeArgs& d, cudaStream_t stream) {
   constexpr int kSmemLimit = smem_limit(kCtasPerSM);
   const int num_kb = (d.K + kBlockK - 1) / kBlockK;
   const int kbs = (num_kb + d.splits - 1) / d.splits;
   const bool fused = d.x_dtype != kInFP8;
-  const int stages = pick_stages(kRows, BT, kbs, kPerRow, fused, kRowStep, kSmemLimit);
-  const DecodeLayout layout = decode_layout(kRows, BT, kbs, stages, kPerRow, fused, kRowStep);
+  const int stages = pick_stages(kRows, BT, kbs, kPerRow, fused, kRowStep, kRelay, kSmemLimit);
+  const DecodeLayout layout =
+      decode_layout(kRows, BT, kbs, stages, kPerRow, fused, kRowStep, kRelay);
   if (stages < 1 || (kRows == 64 && kbs > 1 && stages < 2) || layout.total + 1024 > kSmemLimit)
     return "decode config does not fit in shared memory (token tile " + std::to_string(BT) +
            ", " + std::to_string(kbs) + " K blocks per split): use more splits";
@@ -77,14 +93,17 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
       !(e = make_tensor_map_2d(&tx, d.x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, d.M, d.K, d.K, BT,
                                kBlockK, CU_TENSOR_MAP_SWIZZLE_128B)).empty())
     return e;
-  constexpr auto kernel = fp8_decode_kernel<BT, kRows, kPerRow, OutT, kCtasPerSM, kRowStep>;
+  constexpr auto kernel =
+      fp8_decode_kernel<BT, kRows, kPerRow, OutT, kCtasPerSM, kRowStep, kRelay>;
   cudaError_t err = ensure_smem_limit<kernel>(smem);
   if (err != cudaSuccess) return cudaGetErrorString(err);
   DecodeParams p{d.x,         d.x_dtype,  d.x_scale, d.xs_stride_m, d.xs_stride_kb,
                  d.w_scale,   d.bias,     d.bias_f32, d.out,     d.workspace,   d.counters,
                  d.M,         d.N,        d.K,       num_kb,        d.splits,
                  stages,      d.cluster_reduce ? 1 : 0, d.pdl && d.early_trigger ? 1 : 0,
-                 row_step,    window_stages(kRows, kCtasPerSM, stages)};
+                 row_step,    window_stages(kRows, kCtasPerSM, stages),
+                 // (relay < stages, and >= 1: see the kernel)
+                 kRelay ? (kRelayStages < stages ? kRelayStages : stages > 1 ? stages - 1 : 1) : 0};
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((d.N + row_step - 1) / row_step, (d.M + BT - 1) / BT, d.splits);
   cfg.blockDim = dim3(384);
@@ -105,20 +124,26 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
   return err == cudaSuccess ? std::string() : std::string(cudaGetErrorString(err));
 }
 
-template <int BT, int R, int C, bool S = false>
+template <int BT, int R, int C, bool S = false, bool Y = false>
 std::string dispatch_types(const DecodeArgs& d, cudaStream_t stream) {
   if (d.out_dtype == kOutBF16)
-    return d.w_scale_per_row ? launch<BT, R, true, __nv_bfloat16, C, S>(d, stream)
-                             : launch<BT, R, false, __nv_bfloat16, C, S>(d, stream);
-  return d.w_scale_per_row ? launch<BT, R, true, __half, C, S>(d, stream)
-                           : launch<BT, R, false, __half, C, S>(d, stream);
+    return d.w_scale_per_row ? launch<BT, R, true, __nv_bfloat16, C, S, Y>(d, stream)
+                             : launch<BT, R, false, __nv_bfloat16, C, S, Y>(d, stream);
+  return d.w_scale_per_row ? launch<BT, R, true, __half, C, S, Y>(d, stream)
+                           : launch<BT, R, false, __half, C, S, Y>(d, stream);
 }
 
 template <int BT, int R>
 std::string dispatch_ctas(const DecodeArgs& d, cudaStream_t stream) {
   if (d.ctas_per_sm == 1) return dispatch_types<BT, R, 1>(d, stream);
   if constexpr (BT <= 32) {
-    if (d.ctas_per_sm == 2) return dispatch_types<BT, R, 2>(d, stream);
+    if (d.ctas_per_sm == 2) {
+      if constexpr (R == 64) {
+        if (relay_plan(R, 2, d.splits) && !d.cluster_reduce)
+          return dispatch_types<BT, R, 2, false, true>(d, stream);
+      }
+      return dispatch_types<BT, R, 2>(d, stream);
+    }
   }
   return "ctas_per_sm must be 1, or 2 with token tiles <= 32";
 }

@@ -43,7 +43,7 @@ struct DecodeLayout {
 // [BT x 128] fp8 tile per K block of the CTA's range.
 __host__ __device__ inline DecodeLayout decode_layout(int rows, int bt, int kbs, int stages,
                                                       bool per_row, bool fused,
-                                                      bool row_step = false) {
+                                                      bool row_step = false, bool relay = false) {
   DecodeLayout l;
   l.stage = rows * kBlockK + (fused ? 0 : bt * kBlockK);  // multiples of 1024 (bt >= 8)
   l.x = stages * l.stage;
@@ -52,7 +52,7 @@ __host__ __device__ inline DecodeLayout decode_layout(int rows, int bt, int kbs,
   // weight scales [kbs][rows] per row, or [kbs][1 or 2] of the 128-row block(s) the rows lie in
   l.bar = l.ws + kbs * (per_row ? rows : row_step ? 2 : 1) * 4;
   l.bar = (l.bar + 7) & ~7;
-  l.flag = l.bar + 2 * stages * 8;       // full[stages], empty[stages]
+  l.flag = l.bar + (relay ? 3 : 2) * stages * 8;  // full, empty (and relay: landed)[stages]
   l.total = l.flag + 16;
   return l;
 }
@@ -74,12 +74,19 @@ struct DecodeParams {
   int row_step;          // kRowStep: the weight rows a CTA owns, 72..120 (a multiple of 8), so
                          // that N / row_step CTAs fill the SMs (heuristics.py: _decode_rows)
   int window;            // weight stages in flight at most (0: the whole ring; decode.cu)
+  int relay;             // kRelay: weight stages in flight at most (1 .. stages - 1)
 };
 
 // kRowStep: a 128-row CTA owning only p.row_step rows (a box of that many lands in its stage;
 // the other rows' results are never stored), its own instantiation so that every other plan
 // runs exactly the code it ran before (these kernels move by 1-2% on small changes).
-template <int BT, int kRows, bool kPerRow, typename OutT, int kCtasPerSM, bool kRowStep>
+// kRelay: weights land on their own barriers (`landed`), and the weight warp, keeping at most
+// p.relay stages in flight, passes each landed stage on to `full` (one arrival); activations
+// (fp8 input) come from a second producer warp straight onto `full`. So the weights stream at
+// the window's pace while the previous kernel runs, and the math warps still wait on one
+// barrier a stage (a second wait there cost 2-11%: results/2026-11-26_decode_weight_window_h100.log).
+template <int BT, int kRows, bool kPerRow, typename OutT, int kCtasPerSM, bool kRowStep,
+          bool kRelay = false>
 __global__ void __launch_bounds__(384, kCtasPerSM)
     fp8_decode_kernel(const __grid_constant__ CUtensorMap tmap_w,
                       const __grid_constant__ CUtensorMap tmap_x,  // fp8 activations (kInFP8)
@@ -99,13 +106,14 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
   static_assert(kRows == 128 || (kRows == 64 && BT <= 64), "64-row CTAs: token tiles <= 64");
   constexpr int kWTile = kRows * kBlockK;  // bytes of one weight stage
   const DecodeLayout L = decode_layout(kRows, BT, (p.num_kb + p.splits - 1) / p.splits,
-                                       p.stages, kPerRow, fused, kRowStep);
+                                       p.stages, kPerRow, fused, kRowStep, kRelay);
   uint8_t* sW = smem;            // stage s at sW + s * L.stage: weights, then (fp8) activations
   uint8_t* sX = smem + L.x;      // fused: resident quantized tiles, K block i at i * BT * 128
   float* sXS = reinterpret_cast<float*>(smem + L.xs);
   float* sWS = reinterpret_cast<float*>(smem + L.ws);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L.bar);
   uint64_t* empty = full + p.stages;
+  uint64_t* landed = empty + p.stages;  // (kRelay) the stage's weights have landed
   int* flag = reinterpret_cast<int*>(smem + L.flag);
 
   static_assert(!kRowStep || (kRows == 128 && kCtasPerSM == 1), "row steps: 128-row CTAs");
@@ -118,8 +126,10 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < p.stages; ++s) {
-      mbar_init(&full[s], 1);
+      // (kRelay, fp8 input: the weight warp's relay and the activation warp's expect_tx)
+      mbar_init(&full[s], kRelay && !fused ? 2 : 1);
       mbar_init(&empty[s], kSplitWG ? 4 : 8);  // the math warps that read stage s
+      if constexpr (kRelay) mbar_init(&landed[s], 1);
     }
     fence_barrier_init();
     tma_prefetch_desc(&tmap_w);
@@ -133,7 +143,36 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
   if (wg == 2) {
     // ------------------------------------------------------------------ producer warpgroup
     if constexpr (kCtasPerSM == 1) reg_dealloc<40>();
-    if (warp == 8 && elect_one()) {
+    if (kRelay && warp == 8 && elect_one()) {
+      // Weights are not written by the previous kernel: streamed from the start, p.relay
+      // stages ahead of the last one that landed (stage j is handed on once j + relay is due:
+      // the consumers never wait for a relay they could not get, as relay < stages).
+      const uint64_t once = l2_policy_evict_first();
+      const uint32_t wbytes = kRowStep ? row_step * kBlockK : kWTile;
+      auto hand_on = [&](int j) {
+        mbar_wait(&landed[j % p.stages], (j / p.stages) & 1);
+        mbar_arrive(&full[j % p.stages]);
+      };
+      for (int i = 0; i < kbs; ++i) {
+        const int s = i % p.stages;
+        mbar_wait(&empty[s], ((i / p.stages) & 1) ^ 1);
+        if (i >= p.relay) hand_on(i - p.relay);
+        mbar_arrive_expect_tx(&landed[s], wbytes);
+        tma_load_2d(sW + s * L.stage, &tmap_w, &landed[s], (kb0 + i) * kBlockK, n0, once);
+      }
+      for (int j = kbs > p.relay ? kbs - p.relay : 0; j < kbs; ++j) hand_on(j);
+    } else if (kRelay && warp == 9 && !fused && elect_one()) {
+      // the activation tiles, written by the previous kernel (rows past M read as zero)
+      const uint64_t keep = l2_policy_evict_last();  // read by every row CTA
+      pdl_wait();
+      for (int i = 0; i < kbs; ++i) {
+        const int s = i % p.stages;
+        mbar_wait(&empty[s], ((i / p.stages) & 1) ^ 1);
+        mbar_arrive_expect_tx(&full[s], BT * kBlockK);
+        tma_load_2d(sW + s * L.stage + kWTile, &tmap_x, &full[s], (kb0 + i) * kBlockK, m0,
+                    keep);
+      }
+    } else if (!kRelay && warp == 8 && elect_one()) {
       // Weights are not written by the previous kernel: stream them before griddepcontrol.wait.
       const uint64_t once = l2_policy_evict_first();
       const uint64_t keep = l2_policy_evict_last();  // activations: read by every row CTA

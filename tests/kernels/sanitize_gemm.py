@@ -17,8 +17,9 @@ kernels (and the instrumented run stays short). Exit code 0 only if every result
 FP8LINEAR_SM90_GEMM_CONFIG=i runs every case through large-M configuration i (the cluster and
 128x192 configurations are not picked for shapes this small otherwise); --configs all runs the
 cases once as the heuristic plans them and then once under each configuration forced, in one
-process (one sanitizer start), and the decode cases again under DECODE_PLANS (128-row CTAs
-two an SM, whose producer keeps a window of weight stages in flight, are not picked for N
+process (one sanitizer start), and the decode cases again under DECODE_PLANS (the plans whose
+producer keeps a window of weight stages in flight: 128-row CTAs two an SM, and 64-row ones
+two an SM with split K, which relay their weight stages; the former are not picked for N
 this small otherwise).
 """
 from __future__ import annotations
@@ -52,6 +53,9 @@ QUICK = [0, 2, 5, 6, 7]   # racecheck is slow on warp-specialized kernels: fewer
 DECODE_PLANS = [
     {"FP8LINEAR_SM90_DECODE_ROWS": "128", "FP8LINEAR_SM90_DECODE_CTAS": "2"},
     {"FP8LINEAR_SM90_DECODE_ROWS": "128", "FP8LINEAR_SM90_DECODE_CTAS": "2",
+     "FP8LINEAR_SM90_DECODE_SPLITS": "3"},
+    # 64-row CTAs two an SM with split K: the relaying producer (decode.cu relay_plan)
+    {"FP8LINEAR_SM90_DECODE_ROWS": "64", "FP8LINEAR_SM90_DECODE_CTAS": "2",
      "FP8LINEAR_SM90_DECODE_SPLITS": "3"},
 ]
 DECODE_MAX_M = 32  # (the cases at or below it run the decode kernel)
