@@ -16,7 +16,7 @@ constexpr int kMaxWeightBytesInFlight = 8 * kDecodeMaxRows * kBlockK;
 int pick_stages(int rows, int bt, int kbs, bool per_row, bool fused, bool row_step, bool relay,
                 int limit) {
   const DecodeLayout none = decode_layout(rows, bt, kbs, 0, per_row, fused, row_step, relay);
-  // bytes one more stage costs: its ring slot and its two barriers
+  // bytes one more stage costs: its ring slot and its barriers (two, or three with a relay)
   const int per_stage =
       decode_layout(rows, bt, kbs, 1, per_row, fused, row_step, relay).total - none.total + 16;
   const int max_stages = kMaxWeightBytesInFlight / (rows * kBlockK);
