@@ -57,7 +57,11 @@ int window_stages(int rows, int ctas_per_sm, int stages) {
 bool relay_plan(int rows, int ctas_per_sm, int splits) {
   return rows == 64 && ctas_per_sm == 2 && splits > 1;
 }
-constexpr int kRelayStages = 4;
+// (the relay needs 1 <= window < stages: see the kernel)
+int relay_stages(int stages) {
+  constexpr int kRelayStages = 4;
+  return kRelayStages < stages ? kRelayStages : stages > 1 ? stages - 1 : 1;
+}
 
 template <int BT, int kRows, bool kPerRow, typename OutT, int kCtasPerSM, bool kRowStep,
           bool kRelay>
@@ -101,9 +105,8 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
                  d.w_scale,   d.bias,     d.bias_f32, d.out,     d.workspace,   d.counters,
                  d.M,         d.N,        d.K,       num_kb,        d.splits,
                  stages,      d.cluster_reduce ? 1 : 0, d.pdl && d.early_trigger ? 1 : 0,
-                 row_step,    window_stages(kRows, kCtasPerSM, stages),
-                 // (relay < stages, and >= 1: see the kernel)
-                 kRelay ? (kRelayStages < stages ? kRelayStages : stages > 1 ? stages - 1 : 1) : 0};
+                 row_step,
+                 kRelay ? relay_stages(stages) : window_stages(kRows, kCtasPerSM, stages)};
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((d.N + row_step - 1) / row_step, (d.M + BT - 1) / BT, d.splits);
   cfg.blockDim = dim3(384);

@@ -73,15 +73,15 @@ struct DecodeParams {
   int early_trigger;     // PDL: let the next kernel launch at our start, not after the prologue
   int row_step;          // kRowStep: the weight rows a CTA owns, 72..120 (a multiple of 8), so
                          // that N / row_step CTAs fill the SMs (heuristics.py: _decode_rows)
-  int window;            // weight stages in flight at most (0: the whole ring; decode.cu)
-  int relay;             // kRelay: weight stages in flight at most (1 .. stages - 1)
+  int window;            // weight stages in flight at most (0: the whole ring; kRelay: 1 ..
+                         // stages - 1; decode.cu)
 };
 
 // kRowStep: a 128-row CTA owning only p.row_step rows (a box of that many lands in its stage;
 // the other rows' results are never stored), its own instantiation so that every other plan
 // runs exactly the code it ran before (these kernels move by 1-2% on small changes).
 // kRelay: weights land on their own barriers (`landed`), and the weight warp, keeping at most
-// p.relay stages in flight, passes each landed stage on to `full` (one arrival); activations
+// p.window stages in flight, passes each landed stage on to `full` (one arrival); activations
 // (fp8 input) come from a second producer warp straight onto `full`. So the weights stream at
 // the window's pace while the previous kernel runs, and the math warps still wait on one
 // barrier a stage (a second wait there cost 2-11%: results/2026-11-26_decode_weight_window_h100.log).
@@ -144,9 +144,9 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
     // ------------------------------------------------------------------ producer warpgroup
     if constexpr (kCtasPerSM == 1) reg_dealloc<40>();
     if (kRelay && warp == 8 && elect_one()) {
-      // Weights are not written by the previous kernel: streamed from the start, p.relay
-      // stages ahead of the last one that landed (stage j is handed on once j + relay is due:
-      // the consumers never wait for a relay they could not get, as relay < stages).
+      // Weights are not written by the previous kernel: streamed from the start, p.window
+      // stages ahead of the last one that landed (stage j is handed on once j + window is due:
+      // the consumers never wait for a hand-on they could not get, as window < stages).
       const uint64_t once = l2_policy_evict_first();
       const uint32_t wbytes = kRowStep ? row_step * kBlockK : kWTile;
       auto hand_on = [&](int j) {
@@ -156,11 +156,11 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
       for (int i = 0; i < kbs; ++i) {
         const int s = i % p.stages;
         mbar_wait(&empty[s], ((i / p.stages) & 1) ^ 1);
-        if (i >= p.relay) hand_on(i - p.relay);
+        if (i >= p.window) hand_on(i - p.window);
         mbar_arrive_expect_tx(&landed[s], wbytes);
         tma_load_2d(sW + s * L.stage, &tmap_w, &landed[s], (kb0 + i) * kBlockK, n0, once);
       }
-      for (int j = kbs > p.relay ? kbs - p.relay : 0; j < kbs; ++j) hand_on(j);
+      for (int j = kbs > p.window ? kbs - p.window : 0; j < kbs; ++j) hand_on(j);
     } else if (kRelay && warp == 9 && !fused && elect_one()) {
       // the activation tiles, written by the previous kernel (rows past M read as zero)
       const uint64_t keep = l2_policy_evict_last();  // read by every row CTA

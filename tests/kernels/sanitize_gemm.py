@@ -58,7 +58,6 @@ DECODE_PLANS = [
     {"FP8LINEAR_SM90_DECODE_ROWS": "64", "FP8LINEAR_SM90_DECODE_CTAS": "2",
      "FP8LINEAR_SM90_DECODE_SPLITS": "3"},
 ]
-DECODE_MAX_M = 32  # (the cases at or below it run the decode kernel)
 
 
 def deq64(q, s):
@@ -138,9 +137,10 @@ def main(argv=None) -> int:
                    for c in (range(n_cfg) if a.configs == "all" else a.configs.split(","))]
         if a.configs == "all":
             forced += DECODE_PLANS
+    knob_names = {k for f in forced for k in f}
     fails = 0
     for knobs in forced:
-        for name in {k for f in forced for k in f}:
+        for name in knob_names:
             os.environ.pop(name, None)
         os.environ.update(knobs)
         heuristics.reload_env()
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
         for i, case in enumerate(CASES):
             if a.quick and i not in QUICK:
                 continue
-            if decode_only and case[0] > DECODE_MAX_M:
+            if decode_only and case[0] > heuristics.SM90_DECODE_MAX_M:  # (not a decode case)
                 continue
             m, n, k, per_row, dtype, with_bias = case
             t = time.time()

@@ -23,7 +23,7 @@ def test_sanitize_script_dry_run_visits_every_knob_set(capsys):
     n_cfg = len(heuristics.SM90_GEMM_CONFIGS)
     assert len(blocks) == 1 + n_cfg + len(S.DECODE_PLANS)
     n_cases = len(S.CASES)
-    n_decode = sum(c[0] <= S.DECODE_MAX_M for c in S.CASES)
+    n_decode = sum(c[0] <= heuristics.SM90_DECODE_MAX_M for c in S.CASES)
     # the heuristic's plans and each large-M configuration: every case; the decode plans:
     # the decode cases only
     counts = [b.count(" ok") for b in blocks]
