@@ -204,6 +204,7 @@ void decode(const at::Tensor& x, const c10::optional<at::Tensor>& x_scale, const
   d.pdl = pdl;
   d.early_trigger = early_trigger;
   d.cluster_reduce = cluster_reduce;
+  d.num_sms = num_sms(x.get_device());
   check(fp8l::launch_decode(d, at::cuda::getCurrentCUDAStream()), "decode");
 }
 

@@ -68,6 +68,7 @@ struct DecodeArgs {
   bool early_trigger;     // (pdl) the next kernel may launch as soon as ours has started
   bool cluster_reduce;    // 2..8 splits of a tile as one cluster, reduced in distributed
                           // shared memory (no workspace, no counters)
+  int num_sms;            // of the device (whether the grid fits in one wave)
 };
 std::string launch_decode(const DecodeArgs& args, cudaStream_t stream);
 

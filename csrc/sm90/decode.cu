@@ -46,6 +46,21 @@ int window_stages(int rows, int ctas_per_sm, int stages) {
   return w < stages ? w : 0;
 }
 
+// Weight stages requested before the activations (0: the whole ring). Unsplit 64-row plans
+// over up to 64 K blocks in one wave request 8 stages (64 KB a CTA), then the activations,
+// then the rest of the ring: the activations, on the critical path once the previous kernel
+// is done, queue behind every weight request already issued (session 25's lesson).
+// H100, results/2026-11-26_decode_first_stages_h100.log, M = 1-32, block_fp8_gemm, run 3
+// (the rule against the whole ring, two builds in one process) after an elementwise kernel /
+// a PDL-aware norm / our fused norm / back to back: 7168x2048 +4-6% / +5-8% / +6-14% / +3-6%;
+// 6144x4096 +3-6% / +4-7% / +6-8% / -2%; 8192^2 +0-1% / +0-1% / +1-6% / -2% (the model-like
+// cases decide); runs 1-2: 5120x5120 +3-5% and 6144x7168 +1-5% every way. Kept out: longer K
+// ranges (7168x16384 -1 to -2%), split plans (4096x7168 -1 to -4%), grids over a wave
+// (57344x8192 x 1 -1%); 4 or 12 stages were no better than 8.
+int first_stages(int rows, int splits, int kbs, int ctas, int slots) {
+  return rows == 64 && splits == 1 && kbs <= 64 && ctas <= slots ? 8 : 0;
+}
+
 // 64-row CTAs two an SM with split K (the 15-17 MB weights: 2112x7168, 4096^2) relay their
 // weights (kRelay) with 4 stages (32 KB) in flight: the window from the start, while the
 // previous kernel runs, without holding the activations back. H100, M = 1-16, runs G-I of
@@ -106,7 +121,12 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
                  d.M,         d.N,        d.K,       num_kb,        d.splits,
                  stages,      d.cluster_reduce ? 1 : 0, d.pdl && d.early_trigger ? 1 : 0,
                  row_step,
-                 kRelay ? relay_stages(stages) : window_stages(kRows, kCtasPerSM, stages)};
+                 kRelay ? relay_stages(stages) : window_stages(kRows, kCtasPerSM, stages),
+                 kRowStep || kRelay
+                     ? 0
+                     : first_stages(kRows, d.splits, kbs,
+                                    ((d.N + row_step - 1) / row_step) * ((d.M + BT - 1) / BT),
+                                    kCtasPerSM * d.num_sms)};
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((d.N + row_step - 1) / row_step, (d.M + BT - 1) / BT, d.splits);
   cfg.blockDim = dim3(384);

@@ -75,6 +75,7 @@ struct DecodeParams {
                          // that N / row_step CTAs fill the SMs (heuristics.py: _decode_rows)
   int window;            // weight stages in flight at most (0: the whole ring; kRelay: 1 ..
                          // stages - 1; decode.cu)
+  int first_stages;      // weight stages requested before the activations at most (0: the ring)
 };
 
 // kRowStep: a 128-row CTA owning only p.row_step rows (a box of that many lands in its stage;
@@ -180,6 +181,7 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
       // waits for stage i - window, whose activations must be requested by then)
       int first = kbs < p.stages ? kbs : p.stages;
       if (p.window > 0 && p.window < first) first = p.window;
+      if (p.first_stages > 0 && p.first_stages < first) first = p.first_stages;
       // (a CTA of fewer rows than kRows loads a row_step-row box; the stage's other rows are
       // stale, and their results are never stored)
       const uint32_t bytes = kRowStep ? row_step * kBlockK + (fused ? 0 : BT * kBlockK) : L.stage;
