@@ -116,19 +116,17 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
       fp8_decode_kernel<BT, kRows, kPerRow, OutT, kCtasPerSM, kRowStep, kRelay>;
   cudaError_t err = ensure_smem_limit<kernel>(smem);
   if (err != cudaSuccess) return cudaGetErrorString(err);
+  const dim3 grid((d.N + row_step - 1) / row_step, (d.M + BT - 1) / BT, d.splits);
+  // (first_stages leaves out the row-step CTAs, 128 rows, and the relaying ones, split K)
   DecodeParams p{d.x,         d.x_dtype,  d.x_scale, d.xs_stride_m, d.xs_stride_kb,
                  d.w_scale,   d.bias,     d.bias_f32, d.out,     d.workspace,   d.counters,
                  d.M,         d.N,        d.K,       num_kb,        d.splits,
                  stages,      d.cluster_reduce ? 1 : 0, d.pdl && d.early_trigger ? 1 : 0,
                  row_step,
                  kRelay ? relay_stages(stages) : window_stages(kRows, kCtasPerSM, stages),
-                 kRowStep || kRelay
-                     ? 0
-                     : first_stages(kRows, d.splits, kbs,
-                                    ((d.N + row_step - 1) / row_step) * ((d.M + BT - 1) / BT),
-                                    kCtasPerSM * d.num_sms)};
+                 first_stages(kRows, d.splits, kbs, grid.x * grid.y, kCtasPerSM * d.num_sms)};
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((d.N + row_step - 1) / row_step, (d.M + BT - 1) / BT, d.splits);
+  cfg.gridDim = grid;
   cfg.blockDim = dim3(384);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
