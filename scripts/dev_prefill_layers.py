@@ -2,9 +2,10 @@
 o [4096, 4096], gate_up [28672, 4096], down [4096, 14336]; fp8_linear from bf16, 128x128
 weight blocks) at prefill sizes, --layers layers with their own weights (past the L2), as one
 CUDA graph replayed *alone* for --seconds per variant while nvidia-smi samples the SM clock and
-power. A variant is a set of FP8LINEAR_* overrides (as in dev_variants.py); the variants take
-turns in --rounds rounds. Unlike the interleaved A/Bs (one replay of each variant in turn, one
-shared clock), each variant here pays its own power draw in clock, as a model's prefill does.
+power. A variant is a set of FP8LINEAR_* overrides, a DEV_NAMESPACE build included (as in
+dev_variants.py); the variants take turns in --rounds rounds, the order rotating each round.
+Unlike the interleaved A/Bs (one replay of each variant in turn, one shared clock), each variant
+here pays its own power draw in clock, as a model's prefill does.
 
     python scripts/dev_prefill_layers.py --m 4096,8192 \
         --variants "heur:;pairs:FP8LINEAR_SM90_GEMM_CONFIG=5"
@@ -67,6 +68,7 @@ def main():
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         for vname, env in variants.items():
             old = V.with_env(env)
+            V.use_build(env)  # (FP8LINEAR_DEV_SO: a DEV_NAMESPACE build, captured into its graph)
             plans = {p: H.sm90_plan(m, n, k, sms) for p, (n, k) in PROJ.items()}
             step()  # warm-up outside the capture
             torch.cuda.synchronize()
@@ -75,9 +77,15 @@ def main():
                 step()
             graphs[vname] = gr
             V.restore(old)
+            V.use_build({})
             print(f"M={m} {vname}: plans {plans}", flush=True)
+        names = list(graphs)
         for rnd in range(args.rounds):
-            for vname, gr in graphs.items():
+            # the order rotates each round: right after a change of load the power limiter
+            # has not settled, and no variant should always run first
+            rot = rnd % len(names)
+            for vname in names[rot:] + names[:rot]:
+                gr = graphs[vname]
                 r = C.replay_alone(gr, args.seconds, sampler)
                 us = r["us"] / args.layers
                 tf = flops_layer[m] / us / 1e6
