@@ -705,10 +705,15 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
     # one wave of 128x96 tiles at 129-511 tokens (6144x4096 x 192 / 256: 17.2 -> 13.3, 14.6
     # -> 13.5; DeepGEMM 15.0 / 13.5). Listed last (ties keep the older tiles) and only where
     # measured: 128x96 lost at 512 tokens though it makes fewer waves (6144x4096: 24.4 vs
-    # 21.5 us), 128x160 pairs at 2048+ (10240x8192 x 4096: 522.7 vs 499.9 with 256x128
-    # pairs); where either takes more waves than the others it loses as the waves say
-    # (57344x8192, 8192^2 at M >= 256).
-    if 256 <= m <= 1024:
+    # 21.5 us), 128x160 pairs above 2048 (10240x8192 x 4096 forced: 522.7 vs 499.9 with
+    # 256x128 pairs); where either takes more waves than the others it loses as the waves
+    # say (57344x8192, 8192^2 at M >= 256). At 1025-2048 tokens the 128x160 pairs win
+    # wherever waves x area picks them over 128x192 (ragged N: 2112x7168 x 2048 176 tiles of
+    # 128x192 in 1.33 waves): 11 points, N = 1536-10240, K = 4096-8192, two runs with the
+    # order swapped, 1.05-1.10x geomean by M, each point 1.01-1.15x (2112x7168 x 2048 59.5 ->
+    # 54.7 us, DeepGEMM 65.5; 3584x7168 x 1280 60.5 -> 54.4; H100, session 27,
+    # results/2026-11-26_gemm_128x160_pairs_to_2048_h100.log).
+    if 256 <= m <= 2048:
         candidates += (11,)
     if 128 < m < 512 and cdiv(m, 128) * cdiv(n, 96) <= num_sms:
         candidates += (10,)

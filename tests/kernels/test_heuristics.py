@@ -36,7 +36,8 @@ H100 = h.TritonDevice(SMS, 227 * 1024, False, (9, 0))
     (256, 10240, 8192, 11),   # one wave of 128x160 pairs (36.9 us) vs 108 128x192 (39.5)
     (512, 10240, 8192, 11),   # 2 waves of 128x160 pairs vs 2 of 128x192 (66.4 vs 73.3 us)
     (512, 57344, 8192, 5),    # 128x160 would take more waves x area
-    (2048, 10240, 8192, 5),   # 128x160 only up to 1024 tokens
+    (2048, 10240, 8192, 5),   # 128x160 pairs would take more waves x area
+    (4096, 10240, 8192, 5),   # (128x160 pairs only up to 2048 tokens)
     (256, 6144, 4096, 10),    # one wave of 128x96 (13.5 us) vs 128x128 (14.6)
     (512, 6144, 4096, 3),     # 128x96 only below 512 tokens (24.4 vs 21.5 us with 128x192)
     (512, 4096, 4096, 0),     # one full wave of 128x128; 256x128 would idle half the SMs
@@ -52,7 +53,8 @@ H100 = h.TritonDevice(SMS, 227 * 1024, False, (9, 0))
     (512, 2112, 7168, 7),     # 68 tiles of 128x128 (half a wave) or 132 of 128x64
     (1024, 2112, 7168, 11),   # 56 128x160 pairs, under one wave (28.6 vs 29.3 us)
     (4096, 2112, 7168, 3),    # 2112 = 11 x 192: 3 waves of 128x192 instead of 5 of 128x128
-    (2048, 2112, 7168, 3),    # 2 waves of 128x192 vs 3 of 128x128 (68 vs 75 us)
+    (2048, 2112, 7168, 11),   # 1.7 waves of 128x160 pairs vs 1.33 of 128x192 (54.7 vs 59.5 us)
+    (2560, 2112, 7168, 3),    # (128x160 pairs only up to 2048 tokens)
     (8192, 2112, 7168, 3),    # 6 waves of 128x192 vs 5 of 256x128 pairs
     (4096, 4096, 4096, 5),    # 4 waves of 256x128 vs 8 of 128x128
     # short K loops (<= 16 blocks) at 512-1024 tokens: 128x128 with queued K blocks
