@@ -362,10 +362,20 @@ _TILE_COST = {(128, 192): 0.86, (256, 128): 0.87, (128, 64): 1.5}
 
 def _waves_x_area(m: int, n: int, num_sms: int, cfg) -> float:
     # A configuration costs its wave count (a last, partial wave costs a full one) times its
-    # tile's time.
-    bm, bn, _, cluster = cfg[:4]
-    tiles = cdiv(m, bm) * cdiv(n, bn)
-    return (cdiv(tiles, num_sms // cluster * cluster) * bm * bn
+    # tile's time. A pair's CTAs take adjacent tiles along M (sharing the weight tile) or N
+    # (sharing the activation tile, share_a): an odd tile count there still runs whole pairs
+    # (the spare CTA loads its half of the shared tile and stores nothing). Counted as single
+    # tiles, 128x160 pairs won the model at M = 513-640 (5 M tiles: 135 pair units, 3 waves,
+    # not 2) and lost 1.3-1.7x to 128x192: 7168x16384 x 640 181.8 vs 136.9 us, 3584x7168 x
+    # 640 52.2 vs 30.6 (H100, results/2026-11-26_gemm_split_tail_h100.log, sweep 2; the fix
+    # checked at M = 640-1664: ..._gemm_waves_whole_pairs_h100.log).
+    bm, bn, _, cluster, share_a = cfg[:5]
+    tiles_m, tiles_n = cdiv(m, bm), cdiv(n, bn)
+    if share_a:
+        tiles_n = cdiv(tiles_n, cluster) * cluster
+    else:
+        tiles_m = cdiv(tiles_m, cluster) * cluster
+    return (cdiv(tiles_m * tiles_n, num_sms // cluster * cluster) * bm * bn
             * _TILE_COST.get((bm, bn), 1.0))
 
 

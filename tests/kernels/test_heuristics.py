@@ -52,6 +52,8 @@ H100 = h.TritonDevice(SMS, 227 * 1024, False, (9, 0))
     (512, 28672, 4096, 3),    # 5 waves of 128x192 (0.9 an area) vs 4 of 256x128 (0.87)
     (512, 2112, 7168, 7),     # 68 tiles of 128x128 (half a wave) or 132 of 128x64
     (1024, 2112, 7168, 11),   # 56 128x160 pairs, under one wave (28.6 vs 29.3 us)
+    (640, 7168, 16384, 3),    # 5 M tiles: 3 pair units of 128x160 a column, 3 waves (181.8 vs 136.9 us)
+    (640, 3584, 7168, 3),     # (52.2 vs 30.6 us)
     (4096, 2112, 7168, 3),    # 2112 = 11 x 192: 3 waves of 128x192 instead of 5 of 128x128
     (2048, 2112, 7168, 11),   # 1.7 waves of 128x160 pairs vs 1.33 of 128x192 (54.7 vs 59.5 us)
     (2560, 2112, 7168, 3),    # (128x160 pairs only up to 2048 tokens)
@@ -457,3 +459,14 @@ def test_fused_quant_early_trigger_rule(monkeypatch):
     with pytest.raises(ValueError,
                        match="FP8LINEAR_FUSED_QUANT_EARLY_TRIGGER='yes': expected 0 or 1"):
         h.fused_quant_early_trigger(16, True)
+
+
+def test_waves_count_whole_pairs():
+    """A pair's CTAs take adjacent tiles along M (sharing the weight tile) or N (sharing the
+    activation tile): an odd tile count there still takes whole pairs of CTAs."""
+    c11, c5 = h.SM90_GEMM_CONFIGS[11], h.SM90_GEMM_CONFIGS[5]      # 128x160 / 256x128 pairs
+    # 5 x 45 tiles of 128x160 at M = 640, N = 7168: 3 x 45 pair units, 270 CTAs, 3 waves
+    assert h._waves_x_area(640, 7168, 132, c11) == 3 * 128 * 160
+    assert h._waves_x_area(512, 7168, 132, c11) == 2 * 128 * 160   # 4 x 45: 180 CTAs
+    # 256x128 pairs share the activation tile along N: 17 N tiles (2112) take 9 pairs
+    assert h._waves_x_area(2048, 2112, 132, c5) == h._waves_x_area(2048, 2304, 132, c5)
