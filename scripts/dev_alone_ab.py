@@ -89,8 +89,8 @@ def main() -> int:
                           "power_w": C.median([x["power_w"] for x in rs])}
             rows.append(row)
             print(f"{C.shape_label(n, k):>12} {m:5d} " + "  ".join(
-                f"{g} {row[g]['us']:8.1f} us {row[g]['clock_mhz']:5.0f} MHz {row[g]['power_w']:4.0f} W"
-                for g in order), flush=True)
+                f"{g} {row[g]['us']:8.1f} us {row[g]['clock_mhz']:5.0f} MHz "
+                f"{row[g]['power_w']:4.0f} W" for g in order), flush=True)
             del graphs, outs, md
         del sd
         torch.cuda.empty_cache()

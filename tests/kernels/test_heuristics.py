@@ -52,7 +52,7 @@ H100 = h.TritonDevice(SMS, 227 * 1024, False, (9, 0))
     (512, 28672, 4096, 3),    # 5 waves of 128x192 (0.9 an area) vs 4 of 256x128 (0.87)
     (512, 2112, 7168, 7),     # 68 tiles of 128x128 (half a wave) or 132 of 128x64
     (1024, 2112, 7168, 11),   # 56 128x160 pairs, under one wave (28.6 vs 29.3 us)
-    (640, 7168, 16384, 3),    # 5 M tiles: 3 pair units of 128x160 a column, 3 waves (181.8 vs 136.9 us)
+    (640, 7168, 16384, 3),    # 5 M tiles: 128x160 pairs take 3 waves (181.8 vs 136.9 us)
     (640, 3584, 7168, 3),     # (52.2 vs 30.6 us)
     (4096, 2112, 7168, 3),    # 2112 = 11 x 192: 3 waves of 128x192 instead of 5 of 128x128
     (2048, 2112, 7168, 11),   # 1.7 waves of 128x160 pairs vs 1.33 of 128x192 (54.7 vs 59.5 us)
