@@ -63,13 +63,16 @@ Quantized quantize(const at::Tensor& x, bool pdl) {
   return r;
 }
 
+at::Tensor tile_counters(const at::Tensor& like, int64_t tiles);
+
 // a [M,K] fp8 with a_scale_t [num_kb, M] fp32 (row stride ld, a multiple of 4); or, without
 // a_scale_t, 16/32-bit activations quantized first (quant_pdl: that kernel under PDL). w [N,K]
-// fp8; w_scale blocks or per-row; out [M,N].
+// fp8; w_scale blocks or per-row; out [M,N]. workspace_floats > 0 (split-tail configurations):
+// their fp32 workspace, allocated here, and `tiles` counters.
 void gemm(const at::Tensor& a, const c10::optional<at::Tensor>& a_scale_t, const at::Tensor& w,
           const at::Tensor& w_scale, bool per_row, const c10::optional<at::Tensor>& bias,
           at::Tensor& out, int64_t config, bool pdl, bool quant_pdl, int64_t early_b,
-          int64_t group_m) {
+          int64_t group_m, int64_t workspace_floats, int64_t tiles) {
   const c10::cuda::CUDAGuard guard(a.device());
   fp8l::GemmArgs g{};
   Quantized qa;
@@ -98,6 +101,12 @@ void gemm(const at::Tensor& a, const c10::optional<at::Tensor>& a_scale_t, const
   g.pdl = pdl;
   g.early_b = int(early_b);
   g.group_m = int(group_m);
+  at::Tensor workspace;
+  if (workspace_floats > 0) {
+    workspace = at::empty({workspace_floats}, a.options().dtype(at::kFloat));
+    g.workspace = workspace.data_ptr<float>();
+    g.counters = tile_counters(a, tiles).data_ptr<int>();
+  }
   check(fp8l::launch_gemm(g, at::cuda::getCurrentCUDAStream()), "gemm");
 }
 

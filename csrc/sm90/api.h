@@ -25,6 +25,8 @@ struct GemmArgs {
   bool pdl;               // programmatic dependent launch (prologue overlaps the previous kernel)
   int early_b;            // (pdl) first weight stages requested before waiting for the previous kernel
   int group_m;            // tile order: M units walked before the next N unit (>= 1)
+  float* workspace;       // split-tail configs: fp32 [num_sms * BM * BN] (a partial tile a CTA)
+  int* counters;          // split-tail configs: int32 [tiles], zero; the kernel leaves them zero
 };
 
 // Large-M persistent TMA + wgmma kernel. Returns "" on success, else the error.

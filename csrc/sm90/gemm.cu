@@ -1,4 +1,6 @@
 // Instantiations and launch of the large-M kernel (gemm_kernel.cuh).
+#include <algorithm>
+
 #include "common/launch.h"
 #include "common/tma.h"
 #include "sm90/api.h"
@@ -13,19 +15,24 @@ namespace {
 // share_a: a cluster pair shares (multicasts) the activation tile, else the weight tile.
 // queue_next: two math warpgroups with two partial accumulators each (gemm_kernel.cuh
 // kQueueNext), so that K block kb+1's wgmmas are queued before kb's promotion.
+// split_tail: the tiles of a ragged last wave are split along K over the idle SMs
+// (gemm_kernel.cuh kSplitTail; a workspace and tile counters).
 struct Config {
   int bm, bn, stages, cluster;
-  bool share_a, queue_next;
+  bool share_a, queue_next, split_tail;
   // 64-row tiles of <= 64 columns need <= 112 registers a thread: built lean
   // (gemm_kernel.cuh: kLean), so they start beside the previous kernel under PDL
   constexpr bool lean() const { return bm == 64 && bn <= 64; }
 };
 constexpr Config kConfigs[] = {
-    {128, 128, 5, 1, false, false}, {64, 128, 8, 1, false, false}, {128, 128, 5, 2, false, false},
-    {128, 192, 4, 1, false, false}, {256, 128, 3, 1, false, false}, {256, 128, 3, 2, true, false},
-    {64, 64, 12, 1, false, false},  {128, 64, 8, 1, false, false},  {64, 32, 16, 1, false, false},
-    {64, 16, 16, 1, false, false},  {128, 96, 6, 1, false, false},  {128, 160, 5, 2, false, false},
-    {64, 48, 15, 1, false, false},  {128, 128, 5, 1, false, true},  {128, 192, 4, 2, false, false}};
+    {128, 128, 5, 1, false, false, false}, {64, 128, 8, 1, false, false, false},
+    {128, 128, 5, 2, false, false, false}, {128, 192, 4, 1, false, false, false},
+    {256, 128, 3, 1, false, false, false}, {256, 128, 3, 2, true, false, false},
+    {64, 64, 12, 1, false, false, false},  {128, 64, 8, 1, false, false, false},
+    {64, 32, 16, 1, false, false, false},  {64, 16, 16, 1, false, false, false},
+    {128, 96, 6, 1, false, false, false},  {128, 160, 5, 2, false, false, false},
+    {64, 48, 15, 1, false, false, false},  {128, 128, 5, 1, false, true, false},
+    {128, 192, 4, 2, false, false, false}, {128, 192, 4, 1, false, false, true}};
 
 // A launch of `grid` CTAs in clusters of `cluster` along x (1: a plain launch, no cluster
 // attribute); `attr` (room for one more) must outlive the config.
@@ -64,9 +71,9 @@ int max_cluster_ctas(int cluster, int smem, int threads, int num_sms) {
 }
 
 template <int BM, int BN, int STAGES, int CLUSTER, bool kShareA, bool kPerRow, bool kLean,
-          bool kQueueNext, typename OutT>
+          bool kQueueNext, bool kSplitTail, typename OutT>
 std::string launch(const GemmArgs& g, cudaStream_t stream) {
-  using L = GemmSmem<BM, BN, STAGES>;
+  using L = GemmSmem<BM, BN, STAGES, kSplitTail>;
   static_assert(L::kAlloc <= 232448, "shared memory over the sm_90 limit");
   const int num_kb = (g.K + kBlockK - 1) / kBlockK;
   CUtensorMap ta, tb, tsa, tc;
@@ -104,8 +111,8 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
                                out_swizzle)).empty())
     return e;
 
-  constexpr auto kernel =
-      fp8_gemm_kernel<BM, BN, STAGES, CLUSTER, kShareA, kPerRow, kLean, kQueueNext, OutT>;
+  constexpr auto kernel = fp8_gemm_kernel<BM, BN, STAGES, CLUSTER, kShareA, kPerRow, kLean,
+                                          kQueueNext, kSplitTail, OutT>;
   constexpr int kThreads = L::kThreads;
   cudaError_t err = ensure_smem_limit<kernel>(L::kAlloc);
   if (err != cudaSuccess) return cudaGetErrorString(err);
@@ -115,11 +122,22 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
                             : ((tiles_m + CLUSTER - 1) / CLUSTER) * tiles_n;
   int slots = g.num_sms / CLUSTER * CLUSTER;
   if (CLUSTER > 1) slots = max_cluster_ctas<kernel>(CLUSTER, L::kAlloc, kThreads, g.num_sms);
-  const int grid = units * CLUSTER < slots ? units * CLUSTER : slots;
+  int grid = units * CLUSTER < slots ? units * CLUSTER : slots;
+  if constexpr (kSplitTail) {
+    // the tail's parts in the last wave (gemm_kernel.cuh SplitTail): all tiles when they make
+    // less than a wave, split into up to num_kb parts
+    const int tail = units <= slots ? units : units % slots;
+    grid = units <= slots ? tail * std::min(num_kb, slots / tail) : slots;
+    if (g.workspace == nullptr || g.counters == nullptr) return "split tail: no workspace";
+  }
   const uint32_t stage_bytes =
       uint32_t((kShareA ? 2 * a_half : a_rows) * kBlockK + L::kBBytes + sa_cols * 4);
-  GemmParams p{g.M,    g.N,        g.K,         num_kb,    g.w_scale,
-               g.bias, g.bias_f32, stage_bytes, g.early_b, g.group_m > 1 ? g.group_m : 1, a_half};
+  // (the split tail requests no early weight stages: it runs from 512 tokens, where none are
+  // asked)
+  const int early_b = kSplitTail ? 0 : g.early_b;
+  GemmParams p{g.M,         g.N,     g.K,     num_kb, g.w_scale, g.bias, g.bias_f32,
+               stage_bytes, early_b, g.group_m > 1 ? g.group_m : 1,     a_half,
+               g.workspace, g.counters};
   cudaLaunchAttribute attr[2];
   cudaLaunchConfig_t cfg = cluster_launch(grid, kThreads, L::kAlloc, stream, CLUSTER, attr);
   if (g.pdl) attr[cfg.numAttrs++] = pdl_attribute();
@@ -133,12 +151,13 @@ template <int I>
 std::string dispatch_types(const GemmArgs& g, cudaStream_t stream) {
   constexpr Config c = kConfigs[I];
   constexpr int bm = c.bm, bn = c.bn, st = c.stages, cl = c.cluster;
-  constexpr bool sa = c.share_a, ln = c.lean(), qn = c.queue_next;
+  constexpr bool sa = c.share_a, ln = c.lean(), qn = c.queue_next, sk = c.split_tail;
   if (g.out_dtype == kOutBF16)
-    return g.w_scale_per_row ? launch<bm, bn, st, cl, sa, true, ln, qn, __nv_bfloat16>(g, stream)
-                             : launch<bm, bn, st, cl, sa, false, ln, qn, __nv_bfloat16>(g, stream);
-  return g.w_scale_per_row ? launch<bm, bn, st, cl, sa, true, ln, qn, __half>(g, stream)
-                           : launch<bm, bn, st, cl, sa, false, ln, qn, __half>(g, stream);
+    return g.w_scale_per_row
+               ? launch<bm, bn, st, cl, sa, true, ln, qn, sk, __nv_bfloat16>(g, stream)
+               : launch<bm, bn, st, cl, sa, false, ln, qn, sk, __nv_bfloat16>(g, stream);
+  return g.w_scale_per_row ? launch<bm, bn, st, cl, sa, true, ln, qn, sk, __half>(g, stream)
+                           : launch<bm, bn, st, cl, sa, false, ln, qn, sk, __half>(g, stream);
 }
 
 // config index -> its instantiation, for every row of kConfigs (the table is the only list)

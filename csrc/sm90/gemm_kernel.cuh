@@ -62,6 +62,8 @@ struct GemmParams {
   int early_b;           // first-tile weight stages requested before griddepcontrol.wait
   int group_m;           // tile order: M units a group walks before the next N unit
   int a_half;            // kShareA: rows of A each CTA of the pair loads and multicasts
+  float* workspace;      // kSplitTail: fp32 partial tiles, one slot a CTA
+  int* counters;         // kSplitTail: one per tile, zero between launches (the last CTA resets)
 };
 
 // bias[n], bias[n + 1] as floats, from the output dtype or fp32
@@ -71,7 +73,7 @@ __device__ __forceinline__ float2 load_bias2(const void* bias, bool f32, int n) 
   return OutTraits<OutT>::load2(static_cast<const OutT*>(bias) + n);
 }
 
-template <int BM, int BN, int STAGES>
+template <int BM, int BN, int STAGES, bool kSplitTail = false>
 struct GemmSmem {
   static constexpr int kMathWG = BM == 64 ? 1 : 2;
   static constexpr int kWaves = BM / (64 * kMathWG);  // 64-row waves per math warpgroup
@@ -90,7 +92,8 @@ struct GemmSmem {
   static constexpr int kSA = kOut + kOutBytes;
   static constexpr int kSB = kSA + STAGES * BM * 4;
   static constexpr int kBar = kSB + STAGES * BN * 4;  // BN floats: per-row B scales
-  static constexpr int kBytes = kBar + 2 * STAGES * 8;
+  static constexpr int kFlag = kBar + 2 * STAGES * 8;  // kSplitTail: "this CTA sums the tile"
+  static constexpr int kBytes = kFlag + (kSplitTail ? 16 : 0);
   static constexpr int kAlloc = kBytes + 1024;  // slack to align the base to 1024 B
 };
 
@@ -121,6 +124,33 @@ __device__ __forceinline__ void tile_coords(int t, int num_m, int num_n, int gro
   nb = r / gm;
 }
 
+// Split tail (kSplitTail): where whole tiles would leave the last wave ragged, its tiles are
+// split along K so that the last wave fills the SMs: each CTA walks whole tiles as without
+// it (every ctas-th from its own) up to dp_end, then at most one part of a tail tile: tail
+// tile t in `parts` K ranges, part s taken by CTA s * tail + t, all parts of all tail tiles
+// in one wave (tail * parts <= ctas). Each part goes to its CTA's workspace slot and counts
+// at the tile's counter; the last to count sums the parts in part order (bitwise
+// deterministic: the order does not depend on who arrives last), stores the tile and
+// resets the counter. Nobody waits for another CTA, and the parts of a tile run side by
+// side over their own K ranges, as the whole tiles do, so CTAs running together still
+// share operand tiles in L2. (Stream-K, an even share of all iterations a CTA, puts the
+// CTAs at scattered K offsets: they stopped sharing the weights in L2 and ran 1.3-2.5x
+// slower, results/2026-11-26_gemm_split_tail_h100.log.)
+struct SplitTail {
+  int dp_end;  // tiles below it: whole
+  int tail;    // the tiles from dp_end on
+  int parts;   // K ranges a tail tile is split into (1: whole)
+  __device__ __forceinline__ SplitTail(int units, int num_kb, int ctas) {
+    tail = units <= ctas ? units : units % ctas;
+    dp_end = units - tail;
+    parts = tail == 0 ? 1 : min(num_kb, ctas / tail);
+  }
+  // part s of a tail tile: K blocks [kb(s), kb(s + 1))
+  __device__ __forceinline__ int kb(int s, int num_kb) const {
+    return s * (num_kb / parts) + min(s, num_kb % parts);
+  }
+};
+
 // kLean (64-row tiles of <= 64 columns): built for at most 128 registers a thread (they use
 // 42-112), without the setmaxnreg split, so that a CTA fits beside the previous kernel's CTAs
 // on an SM and starts under PDL while they run; built for the split (232 registers a thread
@@ -130,14 +160,14 @@ __device__ __forceinline__ void tile_coords(int t, int num_m, int num_n, int gro
 // early trigger 4096x14336 24.6 -> 22.9; back to back 0-2% slower.
 // kQueueNext: two math warpgroups keep two partial accumulators as one does (below).
 template <int BM, int BN, int STAGES, int CLUSTER, bool kShareA, bool kPerRowB, bool kLean,
-          bool kQueueNext, typename OutT>
+          bool kQueueNext, bool kSplitTail, typename OutT>
 __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 : 1)
     fp8_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,   // [M, K] fp8
                     const __grid_constant__ CUtensorMap tmap_b,   // [N, K] fp8
                     const __grid_constant__ CUtensorMap tmap_sa,  // [num_kb, Mpad] fp32
                     const __grid_constant__ CUtensorMap tmap_c,   // [M, N] OutT
                     const GemmParams p) {
-  using L = GemmSmem<BM, BN, STAGES>;
+  using L = GemmSmem<BM, BN, STAGES, kSplitTail>;
   constexpr int kMathWG = L::kMathWG;
   constexpr int kWaves = L::kWaves;
   static_assert((BN % 32 == 0 && BN <= 192) || BN == 16 || (BN == 48 && BM == 64),
@@ -148,6 +178,8 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
   static_assert(CLUSTER == 2 || !kShareA, "sharing A needs a pair");
   static_assert(!kLean || (BM == 64 && BN <= 64), "lean: one math warpgroup, narrow tiles");
   static_assert(!kQueueNext || (BM == 128 && BN <= 128), "queued K blocks: 64 registers a partial");
+  static_assert(!kSplitTail || (BM == 128 && CLUSTER == 1 && !kQueueNext),
+                "split tail: single CTAs, one 64-row wave a warpgroup, one partial");
   // 128x128 weight-scale blocks: a BN-column tile lies in one block when BN divides 128,
   // else (BN = 48, 96, 160, 192) it can straddle two; the boundary falls on a 32-column
   // multiple (64 for BN = 192; 16 or 32 for BN = 48).
@@ -254,39 +286,54 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
         // nothing ran yet; their full barriers count these bytes once the arrival below
         // expects them). Activations (and their scales) wait for the previous kernel.
         int early = 0;
-        if (p.early_b > 0 && first_unit < num_units) {
+        if (!kSplitTail && p.early_b > 0 && first_unit < num_units) {
           int mb, nb;
           unit_mn(first_unit, mb, nb);
           early = min(min(STAGES, p.num_kb), p.early_b);
           for (int kb = 0; kb < early; ++kb) load_b(kb, kb, nb);
         }
         pdl_wait();
-        for (int u = first_unit; u < num_units; u += unit_stride) {
+        // K block kb of the tile at row0 / nb into the next stage (its weights too unless they
+        // went out early)
+        auto stage = [&](int kb, int row0, int nb, bool with_b) {
+          mbar_wait(&empty[s], phase ^ 1);
+          if constexpr (CLUSTER == 1 || !kShareA) {
+            tma_load_2d(sA + s * L::kABytes, &tmap_a, &full[s], kb * kBlockK, row0, keep);
+          } else {
+            // each CTA loads half the shared activation tile's rows for both: two TMA units
+            // share the pair's A traffic. H100, results/2026-11-26_gemm_split_a_multicast_h100.log:
+            // +0.9% geomean on the 29 benchmark points where the heuristic picks the pair (two
+            // runs, order swapped; no point's mean below 0.998x). Session 10 rejected it when
+            // the pair also ran K = 512 shapes, where the rings waiting both ways lost 1-2%.
+            tma_load_2d_multicast(sA + s * L::kABytes + rank * p.a_half * kBlockK, &tmap_a,
+                                  &full[s], kb * kBlockK, row0 + rank * p.a_half, kBoth, keep);
+          }
+          if (with_b) load_b(s, kb, nb);
+          tma_load_2d(sSA + s * BM, &tmap_sa, &full[s], row0, kb, keep);
+          // The copies go out first, then the arrival that expects their bytes (the barrier
+          // cannot complete before it): 1-5% faster at M = 64-512 than arriving first
+          // (2112x7168 x 128 13.7 -> 13.3 us, 4096x14336 x 64 44.9 -> 42.8; H100,
+          // results/2026-11-24_gemm_narrow_ab_h100.log).
+          mbar_arrive_expect_tx(&full[s], p.stage_bytes);
+          if (++s == STAGES) { s = 0; phase ^= 1; }
+        };
+        // whole tiles (with kSplitTail those below dp_end; it requests no early stages: it runs
+        // from 512 tokens, where the heuristic asks for none)
+        const SplitTail st(num_units, p.num_kb, gridDim.x);
+        const int dp_end = kSplitTail ? st.dp_end : num_units;
+        for (int u = first_unit; u < dp_end; u += unit_stride) {
           int mb, nb;
           unit_mn(u, mb, nb);
-          const int row0 = tile_row0<BM>(mb, p.M);
-          for (int kb = 0; kb < p.num_kb; ++kb) {
-            mbar_wait(&empty[s], phase ^ 1);
-            if constexpr (CLUSTER == 1 || !kShareA) {
-              tma_load_2d(sA + s * L::kABytes, &tmap_a, &full[s], kb * kBlockK, row0, keep);
-            } else {
-              // each CTA loads half the shared activation tile's rows for both: two TMA units
-              // share the pair's A traffic. H100, results/2026-11-26_gemm_split_a_multicast_h100.log:
-              // +0.9% geomean on the 29 benchmark points where the heuristic picks the pair (two
-              // runs, order swapped; no point's mean below 0.998x). Session 10 rejected it when
-              // the pair also ran K = 512 shapes, where the rings waiting both ways lost 1-2%.
-              tma_load_2d_multicast(sA + s * L::kABytes + rank * p.a_half * kBlockK, &tmap_a,
-                                    &full[s], kb * kBlockK, row0 + rank * p.a_half, kBoth, keep);
-            }
-            if (u != first_unit || kb >= early) load_b(s, kb, nb);
-            tma_load_2d(sSA + s * BM, &tmap_sa, &full[s], row0, kb, keep);
-            // The copies go out first, then the arrival that expects their bytes (the barrier
-            // cannot complete before it): 1-5% faster at M = 64-512 than arriving first
-            // (2112x7168 x 128 13.7 -> 13.3 us, 4096x14336 x 64 44.9 -> 42.8; H100,
-            // results/2026-11-24_gemm_narrow_ab_h100.log).
-            mbar_arrive_expect_tx(&full[s], p.stage_bytes);
-            if (++s == STAGES) { s = 0; phase ^= 1; }
-          }
+          const int row0 = kSplitTail ? mb * BM : tile_row0<BM>(mb, p.M);
+          for (int kb = 0; kb < p.num_kb; ++kb)
+            stage(kb, row0, nb, u != first_unit || kb >= early);
+        }
+        if (kSplitTail && int(blockIdx.x) < st.tail * st.parts) {  // this CTA's tail part
+          const int part = blockIdx.x / st.tail;
+          int mb, nb;
+          unit_mn(st.dp_end + blockIdx.x % st.tail, mb, nb);
+          for (int kb = st.kb(part, p.num_kb); kb < st.kb(part + 1, p.num_kb); ++kb)
+            stage(kb, mb * BM, nb, true);
         }
         // PDL (a no-op without it): the next kernel may launch once every CTA of ours has
         // issued its last loads (one thread's call counts for its CTA); it waits for our
@@ -318,17 +365,23 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
       if constexpr (kPerRowB) {
         // per-row scales (tensor-parallel shards not on the 128 grid): BN values per stage,
         // loaded in place (a rarer, slower path)
-        for (int u = first_unit; u < num_units; u += unit_stride) {
-          const int nb = tile_nb(u);
-          for (int kb = 0; kb < p.num_kb; ++kb) {
-            mbar_wait(&empty[s], phase ^ 1);
-            for (int i = lane; i < BN; i += 32) {
-              const int n = nb * BN + i;
-              sSB[s * BN + i] = n < p.N ? __ldg(p.w_scale + size_t(n) * p.num_kb + kb) : 0.f;
-            }
-            mbar_arrive(&full[s]);
-            if (++s == STAGES) { s = 0; phase ^= 1; }
+        auto row_scales = [&](int nb, int kb) {
+          mbar_wait(&empty[s], phase ^ 1);
+          for (int i = lane; i < BN; i += 32) {
+            const int n = nb * BN + i;
+            sSB[s * BN + i] = n < p.N ? __ldg(p.w_scale + size_t(n) * p.num_kb + kb) : 0.f;
           }
+          mbar_arrive(&full[s]);
+          if (++s == STAGES) { s = 0; phase ^= 1; }
+        };
+        const SplitTail st(num_units, p.num_kb, gridDim.x);
+        const int dp_end = kSplitTail ? st.dp_end : num_units;
+        for (int u = first_unit; u < dp_end; u += unit_stride)
+          for (int kb = 0; kb < p.num_kb; ++kb) row_scales(tile_nb(u), kb);
+        if (kSplitTail && int(blockIdx.x) < st.tail * st.parts) {
+          const int part = blockIdx.x / st.tail, u = st.dp_end + blockIdx.x % st.tail;
+          for (int kb = st.kb(part, p.num_kb); kb < st.kb(part + 1, p.num_kb); ++kb)
+            row_scales(tile_nb(u), kb);
         }
       } else {
         // lane i's scales of K block kb0 + i of unit u (zeros past the K blocks or units)
@@ -342,27 +395,41 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
               hi = __ldg(p.w_scale + size_t(blk + 1) * p.num_kb + kb);
           }
         };
+        // stage s's block scales from lane j of (lo, hi)
+        auto hand_out = [&](int j, float lo, float hi) {
+          mbar_wait(&empty[s], phase ^ 1);
+          const float vlo = __shfl_sync(0xffffffffu, lo, j);
+          const float vhi = __shfl_sync(0xffffffffu, hi, j);
+          if (lane == 0) {
+            sSB[s * BN] = vlo;
+            if constexpr (kTwoBlocks) sSB[s * BN + 1] = vhi;
+            mbar_arrive(&full[s]);
+          }
+          if (++s == STAGES) { s = 0; phase ^= 1; }
+        };
+        // whole tiles (with kSplitTail those below dp_end)
+        const SplitTail st(num_units, p.num_kb, gridDim.x);
+        const int dp_end = kSplitTail ? st.dp_end : num_units;
         int u = first_unit, kb0 = 0;
         float lo, hi;
         fetch(u, kb0, lo, hi);
-        while (u < num_units) {
+        while (u < dp_end) {
           int nu = u, nkb0 = kb0 + 32;
           if (nkb0 >= p.num_kb) nu += unit_stride, nkb0 = 0;
           float nlo, nhi;
           fetch(nu, nkb0, nlo, nhi);  // in flight while this batch is handed out
           const int kb_end = min(kb0 + 32, p.num_kb);
-          for (int kb = kb0; kb < kb_end; ++kb) {
-            mbar_wait(&empty[s], phase ^ 1);
-            const float vlo = __shfl_sync(0xffffffffu, lo, kb - kb0);
-            const float vhi = __shfl_sync(0xffffffffu, hi, kb - kb0);
-            if (lane == 0) {
-              sSB[s * BN] = vlo;
-              if constexpr (kTwoBlocks) sSB[s * BN + 1] = vhi;
-              mbar_arrive(&full[s]);
-            }
-            if (++s == STAGES) { s = 0; phase ^= 1; }
-          }
+          for (int kb = kb0; kb < kb_end; ++kb) hand_out(kb - kb0, lo, hi);
           u = nu, kb0 = nkb0, lo = nlo, hi = nhi;
+        }
+        if (kSplitTail && int(blockIdx.x) < st.tail * st.parts) {
+          // this CTA's tail part, in batches of 32 K blocks
+          const int part = blockIdx.x / st.tail, tu = st.dp_end + blockIdx.x % st.tail;
+          const int kb_end = st.kb(part + 1, p.num_kb);
+          for (int kb0 = st.kb(part, p.num_kb); kb0 < kb_end; kb0 += 32) {
+            fetch(tu, kb0, lo, hi);
+            for (int kb = kb0; kb < min(kb0 + 32, kb_end); ++kb) hand_out(kb - kb0, lo, hi);
+          }
         }
       }
     }
@@ -384,6 +451,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
     // one (their promotion needs the registers: ptxas spills otherwise); BN = 192 and two
     // waves (BM = 256) have two warpgroups anyway.
     constexpr bool kTwoPartials = (kMathWG == 1 || kQueueNext) && 3 * kRegs <= 192 && !kPerRowB;
+    static_assert(!kSplitTail || !kTwoPartials, "split tail: the one-partial K loop");
     float acc[kWaves][kRegs];
     float part0[kRegs];
     float part1[kRegs];  // unused (and compiled away) with one partial
@@ -539,7 +607,29 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
     };
     constexpr bool kIssueNext = true, kLast = false;
 
-    for (int u = first_unit; u < num_units; u += unit_stride) {
+    // Tiles u: all K blocks of every unit_stride-th unit from first_unit; with kSplitTail those
+    // below dp_end, then this CTA's share of the split tiles' iterations, tile by tile (nkb of
+    // a tile's K blocks).
+    // (the split is recomputed where it is used: kept live it cost the per-row tiles a spill)
+    int dp_end = num_units;
+    bool tail_part = false;
+    if constexpr (kSplitTail) {
+      const SplitTail st(num_units, p.num_kb, gridDim.x);
+      dp_end = st.dp_end;
+      tail_part = int(blockIdx.x) < st.tail * st.parts;
+    }
+    for (int u = first_unit; kSplitTail ? u < dp_end || tail_part : u < num_units;
+         u += unit_stride) {
+      int nkb = p.num_kb;
+      if constexpr (kSplitTail) {
+        if (u >= dp_end) {  // whole tiles done: this CTA's tail part
+          const SplitTail st(num_units, p.num_kb, gridDim.x);
+          u = st.dp_end + blockIdx.x % st.tail;
+          const int part = blockIdx.x / st.tail;
+          nkb = st.kb(part + 1, p.num_kb) - st.kb(part, p.num_kb);
+          tail_part = false;
+        }
+      }
       int um, un;
       tile_coords(u, num_um, num_un, p.group_m, um, un);
       const int mb = kShareA ? um : um * CLUSTER + rank;
@@ -574,7 +664,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
           // next wgmmas. H100, 256x128 and 128x192 tiles at M >= 512: 1.5-2% faster in geomean
           // (results/2026-11-24_gemm_unroll_ab_h100.log; unrolled by 8: no better).
 #pragma unroll 4
-          for (int kb = 0; kb < p.num_kb; ++kb) step_waves(bnd);
+          for (int kb = 0; kb < (kSplitTail ? nkb : p.num_kb); ++kb) step_waves(bnd);
         }
       };
       if constexpr (kStaticBoundary && BN == 48) {
@@ -593,6 +683,49 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
         else k_loop(128);
       } else {
         k_loop(boundary);
+      }
+      // kSplitTail, a part of tail tile u (nkb < num_kb K blocks): into this CTA's workspace
+      // slot; the last part to arrive sums the tile's parts in part order into acc and stores
+      // the tile, the others are done. The CTA that sums resets the tile's counter.
+      if constexpr (kSplitTail) {
+        if (nkb < p.num_kb) {
+          const SplitTail st(num_units, p.num_kb, gridDim.x);
+          const int t = u - st.dp_end;  // part s of tail tile t: CTA s * tail + t
+          auto slot = [&](int s) {
+            return reinterpret_cast<float4*>(p.workspace) +
+                   size_t(s * st.tail + t) * (kRegs / 4) * 256;
+          };
+          const int tid = threadIdx.x;  // 0..255: the math threads
+          float4* mine = slot(blockIdx.x / st.tail);
+#pragma unroll
+          for (int v = 0; v < kRegs / 4; ++v)
+            mine[v * 256 + tid] = make_float4(acc[0][4 * v], acc[0][4 * v + 1], acc[0][4 * v + 2],
+                                              acc[0][4 * v + 3]);
+          // One acq_rel atomic orders the CTA's part (the barrier before it puts every math
+          // thread's stores before it) before the count and, for the last CTA, the other parts
+          // before its reads (the barrier after it), as in the decode kernel's split reduction.
+          volatile int* flag = reinterpret_cast<volatile int*>(smem + L::kFlag);
+          named_barrier(3, 256);
+          if (tid == 0) *flag = atom_add_acq_rel_gpu(&p.counters[u], 1) == st.parts - 1;
+          named_barrier(3, 256);
+          if (!*flag) continue;  // summed by another part's CTA
+          // (its own part read back too: fewer registers live than keeping it aside)
+          for (int s = 0; s < st.parts; ++s) {
+            const float4* part = slot(s);
+#pragma unroll
+            for (int v = 0; v < kRegs / 4; ++v) {
+              const float4 x = __ldcg(part + v * 256 + tid);
+              if (s == 0) {
+                acc[0][4 * v] = x.x, acc[0][4 * v + 1] = x.y;
+                acc[0][4 * v + 2] = x.z, acc[0][4 * v + 3] = x.w;
+              } else {
+                acc[0][4 * v] += x.x, acc[0][4 * v + 1] += x.y;
+                acc[0][4 * v + 2] += x.z, acc[0][4 * v + 3] += x.w;
+              }
+            }
+          }
+          if (tid == 0) p.counters[u] = 0;  // ready for the next launch (and graph replay)
+        }
       }
 
       // ------------------------------------------------------------------------ epilogue
@@ -650,7 +783,8 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
 #pragma unroll
           for (int cb = 0; cb < BN / kBoxCols; ++cb)
             tma_store_2d(&tmap_c, sOut + wave_row(w) * BN * 2 + cb * 64 * kBoxCols * 2,
-                         nb * BN + cb * kBoxCols, tile_row0<BM>(mb, p.M) + wave_row(w));
+                         nb * BN + cb * kBoxCols,
+                         (kSplitTail ? mb * BM : tile_row0<BM>(mb, p.M)) + wave_row(w));
         tma_store_commit();
       }
     }

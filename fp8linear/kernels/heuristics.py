@@ -315,16 +315,20 @@ def sm90_fuse_quant(m: int, k: int, plan) -> bool:
 
 
 # The large-M kernel's tile configurations, index = config id; mirrors kConfigs in
-# csrc/sm90/gemm.cu: (BM, BN, stages, cluster size, share_a, queue_next), where a cluster
-# pair multicasts the activation tile (share_a) or else the weight tile, and queue_next gives
-# the two math warpgroups two partial accumulators (the next K block's wgmmas queued before
-# a promotion). 64-row tiles of <= 64 columns are built lean (gemm_lean).
+# csrc/sm90/gemm.cu: (BM, BN, stages, cluster size, share_a, queue_next, split_tail), where a
+# cluster pair multicasts the activation tile (share_a) or else the weight tile, queue_next
+# gives the two math warpgroups two partial accumulators (the next K block's wgmmas queued
+# before a promotion), and split_tail splits the tiles of a ragged last wave along K over the
+# idle SMs. 64-row tiles of <= 64 columns are built lean (gemm_lean).
 SM90_GEMM_CONFIGS = (
-    (128, 128, 5, 1, False, False), (64, 128, 8, 1, False, False), (128, 128, 5, 2, False, False),
-    (128, 192, 4, 1, False, False), (256, 128, 3, 1, False, False), (256, 128, 3, 2, True, False),
-    (64, 64, 12, 1, False, False), (128, 64, 8, 1, False, False), (64, 32, 16, 1, False, False),
-    (64, 16, 16, 1, False, False), (128, 96, 6, 1, False, False), (128, 160, 5, 2, False, False),
-    (64, 48, 15, 1, False, False), (128, 128, 5, 1, False, True), (128, 192, 4, 2, False, False))
+    (128, 128, 5, 1, False, False, False), (64, 128, 8, 1, False, False, False),
+    (128, 128, 5, 2, False, False, False), (128, 192, 4, 1, False, False, False),
+    (256, 128, 3, 1, False, False, False), (256, 128, 3, 2, True, False, False),
+    (64, 64, 12, 1, False, False, False), (128, 64, 8, 1, False, False, False),
+    (64, 32, 16, 1, False, False, False), (64, 16, 16, 1, False, False, False),
+    (128, 96, 6, 1, False, False, False), (128, 160, 5, 2, False, False, False),
+    (64, 48, 15, 1, False, False, False), (128, 128, 5, 1, False, True, False),
+    (128, 192, 4, 2, False, False, False), (128, 192, 4, 1, False, False, True))
 
 
 def gemm_lean(config: int) -> bool:
@@ -332,6 +336,39 @@ def gemm_lean(config: int) -> bool:
     CTAs fit beside the previous kernel's on an SM, csrc/sm90/gemm_kernel.cuh kLean)?"""
     bm, bn = SM90_GEMM_CONFIGS[config][:2]
     return bm == 64 and bn <= 64
+
+
+def gemm_split_tail(config: int) -> bool:
+    """Does large-M config i split the tiles of a ragged last wave along K over the idle SMs
+    (a workspace of one fp32 tile a CTA and a counter a tile, csrc/sm90/gemm_kernel.cuh
+    kSplitTail)?"""
+    return SM90_GEMM_CONFIGS[config][6]
+
+
+SM90_SPLIT_TAIL_MIN_PART_KB = 32
+
+
+def split_tail_parts(m: int, n: int, k: int, num_sms: int) -> int:
+    """Into how many K ranges the split-tail configuration (128x192) would split the tiles of
+    its ragged last wave, where that pays (else 0).
+
+    All parts of the tail run in one wave, so the tail takes 1/parts of a whole tile's time;
+    each part writes an fp32 tile and the last sums them, a fixed cost that a part must
+    amortise. H100, against whole 128x192 tiles (session 27,
+    results/2026-11-26_gemm_split_tail_h100.log runs 4-5): 7168x16384 x 640 (58 tail tiles, 2 parts of 64 K blocks) +16-19% interleaved,
+    +10% alone; parts of 1-2 K blocks (24576x1536) 5-9% slower, of 28 (2112x7168 x 2304) +1.4%.
+    So: a tail of at most half the SMs (two parts or more), parts of >= 32 K blocks. At the
+    points this picks (..._gemm_split_tail_rule_h100.log, 16 of them over six shapes at 640-3584
+    tokens): 15 faster by 0.7-14% (8192x28672 x 1664 625.8 -> 566.6 us), one 1.6% slower
+    (57344x8192 x 1152); none of the benchmark's M is among them."""
+    bm, bn = SM90_GEMM_CONFIGS[15][:2]
+    units = cdiv(m, bm) * cdiv(n, bn)
+    tail = units if units <= num_sms else units % num_sms
+    if tail == 0:
+        return 0
+    num_kb = cdiv(k, BLOCK)
+    parts = min(num_kb, num_sms // tail)
+    return parts if parts >= 2 and num_kb // parts >= SM90_SPLIT_TAIL_MIN_PART_KB else 0
 
 
 _FORCE_GEMM = "FP8LINEAR_SM90_GEMM_CONFIG"
@@ -771,6 +808,10 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
         # +3% in two runs of four), from 4096 a loss or a tie; over longer K loops the single
         # partial wins (config 0 at 10240x8192 x 1024: 134 us, 142 with two partials).
         return ("gemm", 13)
+    if best == 3 and split_tail_parts(m, n, k, num_sms) >= 2:
+        # 128x192 tiles whose last wave is ragged, over a long K: that wave's tiles split
+        # along K over the idle SMs (config 15, csrc/sm90/gemm_kernel.cuh kSplitTail).
+        return ("gemm", 15)
     if best == 1 and after_quant and 128 < m <= 192 and cost(0) <= 1.3 * cost(1):
         # Behind the quant kernel three 64x128 CTAs share each weight tile through L2 only as
         # well as their placement lets them (see the 65-128 rule below): 128x128 unless its

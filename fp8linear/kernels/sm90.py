@@ -80,8 +80,8 @@ class _Launch(NamedTuple):
     the heuristics and knob reads cost ~5 us a call on the device machine's CPU)."""
     plan: tuple
     fused: bool           # the decode kernel quantizes the activations itself
-    tiles: int            # decode: output tiles (their counters)
-    ws_floats: int        # decode: fp32 split-reduction workspace (0: none)
+    tiles: int            # decode, split-tail large-M: output tiles (their counters)
+    ws_floats: int        # decode, split-tail large-M: fp32 partials' workspace (0: none)
     cluster: bool
     pdl: bool
     early: bool           # decode: early PDL trigger
@@ -116,6 +116,11 @@ def _launch(m: int, n: int, k: int, x_dtype, index: int, linear: bool) -> _Launc
             # (a split's partial tile spans the CTA's 64 or 128 rows, however many it owns)
             ws_floats = splits * tiles * bt * (64 if rows == 64 else 128)
         early = heuristics.sm90_decode_early_trigger(plan, tiles, num_sms)
+    elif heuristics.gemm_split_tail(plan[1]):
+        # a partial tile a CTA, at most one CTA an SM (csrc/sm90/gemm_kernel.cuh kSplitTail)
+        bm, bn = heuristics.SM90_GEMM_CONFIGS[plan[1]][:2]
+        tiles = cdiv(m, bm) * cdiv(n, bn)
+        ws_floats = num_sms * bm * bn
     gemm_pdl = _gemm_pdl()
     early_b = (heuristics.sm90_gemm_early_weights(m, k, plan[1], linear)
                if gemm_pdl and plan[0] == "gemm" else 0)
@@ -143,7 +148,7 @@ def _gemm(a, a_scale_t, w, w_scale, bias, out, lp: _Launch):
     # a_scale_t None: a holds 16/32-bit activations, which the extension quantizes first
     build.load().gemm(a, a_scale_t, w, w_scale, has_row_scales(w_scale, out.shape[1]),
                       _bias(bias, out), out, lp.plan[1], lp.gemm_pdl, lp.pdl, lp.gemm_early_b,
-                      lp.gemm_group_m)
+                      lp.gemm_group_m, lp.ws_floats, lp.tiles)
 
 
 def _gemm_pdl() -> bool:

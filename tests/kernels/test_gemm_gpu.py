@@ -465,6 +465,49 @@ def test_sm90_tiles_straddling_scale_blocks(config, per_row, out, monkeypatch):
     assert_close(got, ref, mag, f"config {config} N={n} per_row={per_row} {out}", bias=bias)
 
 
+_SPLIT_TAIL = [c for c in range(len(heuristics.SM90_GEMM_CONFIGS))
+               if heuristics.gemm_split_tail(c)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", _SPLIT_TAIL)
+@pytest.mark.parametrize("m,n,k", [
+    (300, 1000, 4096),    # 18 tiles of 128x192 in 7 parts each (32 K blocks: 5 or 4 a part)
+    (1024, 2112, 7168),   # 88 tiles, one part each: whole tiles on 88 CTAs
+    (2048, 2112, 7168),   # 176 tiles: 132 whole, then 44 in 3 parts on the same 132 CTAs
+    (5, 136, 272),        # one tile in 3 parts of one K block
+    (700, 392, 1040),     # 18 tiles in 7 parts of 9 K blocks (2 or 1), a partial last block
+    (4224, 4096, 384),    # 33 x 22 = 726 tiles: 5 whole waves, a tail of 66 in 2 parts
+])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_sm90_split_tail_parts_sum_deterministically(config, m, n, k, per_row, monkeypatch):
+    """Split tail: the tiles of a ragged last wave are split along K over the idle SMs; the
+    parts are summed from the workspace by the last to arrive, in part order: right, and the
+    same bits in 20 runs whoever arrives last; the tile counters are left at zero (fp8_linear
+    on the same stream reuses them)."""
+    _select("sm90", monkeypatch)
+    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_CONFIG", str(config))
+    c = {"m": m, "n": n, "k": k, "per_row": per_row, "out": "bf16", "bias": "out",
+         "seed": _seed("split_tail", m, n, k, per_row)}
+    x, a, a_s, wq, ws, bias = make_data(c)
+    ref, mag = reference(a, a_s, wq, ws, bias)
+    first = None
+    for run in range(20):
+        out = _poisoned(m, n, torch.bfloat16)
+        fp8linear.block_fp8_gemm(a, a_s, wq, ws, out=out, bias=bias)
+        torch.cuda.synchronize()
+        if first is None:
+            assert_close(out, ref, mag, f"split tail M={m} N={n} K={k} per_row={per_row}",
+                         bias=bias)
+            first = out.view(torch.int16).clone()
+        else:
+            assert int((out.view(torch.int16) != first).sum()) == 0, f"run {run} differs"
+    # fp8_linear (the quant kernel, then the split-tail GEMM under PDL) on the same stream
+    got = fp8linear.fp8_linear(x, wq, ws, bias=bias)
+    torch.cuda.synchronize()
+    assert_close(got, ref, mag, f"split tail fp8_linear M={m} N={n} K={k}", bias=bias)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", range(len(heuristics.SM90_GEMM_CONFIGS)))
 @pytest.mark.parametrize("extra", [8, 7])    # 7: the moved block's first row rounded up to x4
@@ -491,6 +534,8 @@ def test_sm90_last_m_block_moved_in_bounds(config, extra, monkeypatch):
             first = out.view(torch.int16).clone()
         else:
             assert int((out.view(torch.int16) != first).sum()) == 0, f"run {run} differs"
+    if heuristics.gemm_split_tail(config):
+        return  # (a split tail never moves a block; M sets its split of K, and so its bits)
     top = 2 * bm                                      # whole blocks only: nothing moved
     part = _poisoned(top, n, torch.bfloat16)
     fp8linear.block_fp8_gemm(a[:top], a_s[:top].contiguous(), wq, ws, out=part, bias=bias)

@@ -52,8 +52,10 @@ H100 = h.TritonDevice(SMS, 227 * 1024, False, (9, 0))
     (512, 28672, 4096, 3),    # 5 waves of 128x192 (0.9 an area) vs 4 of 256x128 (0.87)
     (512, 2112, 7168, 7),     # 68 tiles of 128x128 (half a wave) or 132 of 128x64
     (1024, 2112, 7168, 11),   # 56 128x160 pairs, under one wave (28.6 vs 29.3 us)
-    (640, 7168, 16384, 3),    # 5 M tiles: 128x160 pairs take 3 waves (181.8 vs 136.9 us)
-    (640, 3584, 7168, 3),     # (52.2 vs 30.6 us)
+    (640, 7168, 16384, 15),   # not 128x160 pairs (3 waves); 128x192, its last 58 tiles split
+    (640, 3584, 7168, 3),     # 128x160 pairs: 52.2 us, 128x192 30.6
+    (1536, 7168, 16384, 15),  # 456 tiles: 3 waves + 60 split in 2
+    (4096, 24576, 1536, 5),   # (no split tail where parts would be 1-12 K blocks)
     (4096, 2112, 7168, 3),    # 2112 = 11 x 192: 3 waves of 128x192 instead of 5 of 128x128
     (2048, 2112, 7168, 11),   # 1.7 waves of 128x160 pairs vs 1.33 of 128x192 (54.7 vs 59.5 us)
     (2560, 2112, 7168, 3),    # (128x160 pairs only up to 2048 tokens)
@@ -377,9 +379,10 @@ def test_gemm_configs_mirror_the_kernel_table():
     src = (Path(__file__).resolve().parents[2] / "csrc" / "sm90" / "gemm.cu").read_text()
     table = src[src.index("kConfigs[] = {"):]
     table = table[:table.index("};")]
-    rows = re.findall(r"\{(\d+), (\d+), (\d+), (\d+), (true|false), (true|false)\}", table)
-    assert [(int(a), int(b), int(c), int(d), e == "true", f == "true")
-            for a, b, c, d, e, f in rows] == list(h.SM90_GEMM_CONFIGS)
+    rows = re.findall(r"\{(\d+), (\d+), (\d+), (\d+), (true|false), (true|false), (true|false)\}",
+                      table)
+    assert [(int(a), int(b), int(c), int(d), e == "true", f == "true", g == "true")
+            for a, b, c, d, e, f, g in rows] == list(h.SM90_GEMM_CONFIGS)
     # the lean rule is the kernel's: 64-row tiles of <= 64 columns
     assert "return bm == 64 && bn <= 64;" in src
     assert [c for c in range(len(h.SM90_GEMM_CONFIGS)) if h.gemm_lean(c)] == [6, 8, 9, 12]
@@ -470,3 +473,15 @@ def test_waves_count_whole_pairs():
     assert h._waves_x_area(512, 7168, 132, c11) == 2 * 128 * 160   # 4 x 45: 180 CTAs
     # 256x128 pairs share the activation tile along N: 17 N tiles (2112) take 9 pairs
     assert h._waves_x_area(2048, 2112, 132, c5) == h._waves_x_area(2048, 2304, 132, c5)
+
+
+def test_split_tail_parts():
+    """The split tail: a ragged last wave of 128x192 tiles of at most half the SMs, split into
+    K ranges of >= 32 blocks, all in one wave."""
+    assert h.split_tail_parts(640, 7168, 16384, 132) == 2      # 190 tiles: 58 in the tail
+    assert h.split_tail_parts(1920, 7168, 16384, 132) == 3     # 570: 42 in the tail, 3 x 42 blocks
+    assert h.split_tail_parts(2048, 2112, 7168, 132) == 0      # 3 parts of 18 blocks: too short
+    assert h.split_tail_parts(512, 7168, 16384, 132) == 0      # tail 20: 6 parts of 21
+    assert h.split_tail_parts(1024, 8448, 16384, 132) == 0     # 8 x 44 = 352: tail 88, over half
+    assert h.split_tail_parts(4096, 6144, 4096, 132) == 0      # 32 x 32 = 1024: tail 100
+    assert h.gemm_split_tail(15) and not any(h.gemm_split_tail(c) for c in range(15))

@@ -18,10 +18,11 @@ class Recorder:
         self.calls = []
 
     def gemm(self, a, a_scale_t, w, w_scale, per_row, bias, out, config, pdl, quant_pdl,
-             early_b, group_m):
+             early_b, group_m, ws_floats, tiles):
         self.calls.append(("gemm", dict(a=a, a_scale_t=a_scale_t, per_row=per_row,
                                          config=config, pdl=pdl, quant_pdl=quant_pdl,
-                                         early_b=early_b, group_m=group_m)))
+                                         early_b=early_b, group_m=group_m, ws_floats=ws_floats,
+                                         tiles=tiles)))
 
     def decode(self, x, x_scale, w, w_scale, per_row, bias, out, ws_floats, tiles, config,
                rows, splits, ctas_per_sm, pdl, early_trigger, cluster, quant_first):
@@ -139,6 +140,26 @@ def test_gemm_pdl_knobs(ext, monkeypatch, knob):
     monkeypatch.setenv(knob, "1")
     sm90.gemm(a, a_s, w, ws, None, _out(m, n))
     assert ext.calls[-1][1]["pdl"] is True
+
+
+def test_split_tail_gemm_gets_a_workspace(ext, monkeypatch):
+    """A split-tail configuration gets one fp32 tile a CTA of workspace and a counter a tile;
+    whole-tile configurations get none."""
+    m, n, k = 1024, 2112, 7168
+    _, a, a_s, w, ws = _operands(m, n, k)
+    sk = next(c for c in range(len(heuristics.SM90_GEMM_CONFIGS)) if heuristics.gemm_split_tail(c))
+    bm, bn = heuristics.SM90_GEMM_CONFIGS[sk][:2]
+    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_CONFIG", str(sk))
+    heuristics.reload_env()
+    sm90.gemm(a, a_s, w, ws, None, _out(m, n))
+    d = ext.calls[-1][1]
+    assert d["config"] == sk and d["ws_floats"] == 132 * bm * bn
+    assert d["tiles"] == (m // bm) * -(-n // bn)    # 8 x 11 tiles of 128x192
+    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_CONFIG", "3")   # the same tile, whole tiles
+    heuristics.reload_env()
+    sm90.gemm(a, a_s, w, ws, None, _out(m, n))
+    d = ext.calls[-1][1]
+    assert d["config"] == 3 and d["ws_floats"] == 0 and d["tiles"] == 0
 
 
 def test_linear_fused_decode_passes_raw_activations(ext):
