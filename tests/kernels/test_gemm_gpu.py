@@ -465,6 +465,23 @@ def test_sm90_tiles_straddling_scale_blocks(config, per_row, out, monkeypatch):
     assert_close(got, ref, mag, f"config {config} N={n} per_row={per_row} {out}", bias=bias)
 
 
+def _same_bits_each_run(runs, a, a_s, wq, ws, bias, ref, mag, what):
+    """block_fp8_gemm `runs` times into NaN-poisoned outputs: the first right, every other run
+    the same bits. -> the first output's bits (int16)."""
+    m, n = a.shape[0], wq.shape[0]
+    first = None
+    for run in range(runs):
+        out = _poisoned(m, n, torch.bfloat16)
+        fp8linear.block_fp8_gemm(a, a_s, wq, ws, out=out, bias=bias)
+        torch.cuda.synchronize()
+        if first is None:
+            assert_close(out, ref, mag, what, bias=bias)
+            first = out.view(torch.int16).clone()
+        else:
+            assert int((out.view(torch.int16) != first).sum()) == 0, f"{what}: run {run} differs"
+    return first
+
+
 _SPLIT_TAIL = [c for c in range(len(heuristics.SM90_GEMM_CONFIGS))
                if heuristics.gemm_split_tail(c)]
 
@@ -491,17 +508,8 @@ def test_sm90_split_tail_parts_sum_deterministically(config, m, n, k, per_row, m
          "seed": _seed("split_tail", m, n, k, per_row)}
     x, a, a_s, wq, ws, bias = make_data(c)
     ref, mag = reference(a, a_s, wq, ws, bias)
-    first = None
-    for run in range(20):
-        out = _poisoned(m, n, torch.bfloat16)
-        fp8linear.block_fp8_gemm(a, a_s, wq, ws, out=out, bias=bias)
-        torch.cuda.synchronize()
-        if first is None:
-            assert_close(out, ref, mag, f"split tail M={m} N={n} K={k} per_row={per_row}",
-                         bias=bias)
-            first = out.view(torch.int16).clone()
-        else:
-            assert int((out.view(torch.int16) != first).sum()) == 0, f"run {run} differs"
+    _same_bits_each_run(20, a, a_s, wq, ws, bias, ref, mag,
+                        f"split tail M={m} N={n} K={k} per_row={per_row}")
     # fp8_linear (the quant kernel, then the split-tail GEMM under PDL) on the same stream
     got = fp8linear.fp8_linear(x, wq, ws, bias=bias)
     torch.cuda.synchronize()
@@ -524,16 +532,7 @@ def test_sm90_last_m_block_moved_in_bounds(config, extra, monkeypatch):
          "seed": _seed("moved", config, m)}
     x, a, a_s, wq, ws, bias = make_data(c)
     ref, mag = reference(a, a_s, wq, ws, bias)
-    first = None
-    for run in range(5):
-        out = _poisoned(m, n, torch.bfloat16)
-        fp8linear.block_fp8_gemm(a, a_s, wq, ws, out=out, bias=bias)
-        torch.cuda.synchronize()
-        if first is None:
-            assert_close(out, ref, mag, f"config {config} M={m}", bias=bias)
-            first = out.view(torch.int16).clone()
-        else:
-            assert int((out.view(torch.int16) != first).sum()) == 0, f"run {run} differs"
+    first = _same_bits_each_run(5, a, a_s, wq, ws, bias, ref, mag, f"config {config} M={m}")
     if heuristics.gemm_split_tail(config):
         return  # (a split tail never moves a block; M sets its split of K, and so its bits)
     top = 2 * bm                                      # whole blocks only: nothing moved
