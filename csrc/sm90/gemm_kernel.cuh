@@ -134,7 +134,7 @@ __device__ __forceinline__ void tile_coords(int t, int num_m, int num_n, int gro
 // resets the counter. Nobody waits for another CTA, and the parts of a tile run side by
 // side over their own K ranges, as the whole tiles do, so CTAs running together still
 // share operand tiles in L2. (Stream-K, an even share of all iterations a CTA, puts the
-// CTAs at scattered K offsets: they stopped sharing the weights in L2 and ran 1.3-2.5x
+// CTAs at scattered K offsets: they stopped sharing the weights in L2 and ran 1.3-2.6x
 // slower, results/2026-11-26_gemm_split_tail_h100.log.)
 struct SplitTail {
   int dp_end;  // tiles below it: whole
