@@ -1,6 +1,4 @@
 // Instantiations and launch of the large-M kernel (gemm_kernel.cuh).
-#include <algorithm>
-
 #include "common/launch.h"
 #include "common/tma.h"
 #include "sm90/api.h"
@@ -125,9 +123,10 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   int grid = units * CLUSTER < slots ? units * CLUSTER : slots;
   if constexpr (kSplitTail) {
     // the tail's parts in the last wave (gemm_kernel.cuh SplitTail): all tiles when they make
-    // less than a wave, split into up to num_kb parts
-    const int tail = units <= slots ? units : units % slots;
-    grid = units <= slots ? tail * std::min(num_kb, slots / tail) : slots;
+    // less than a wave, in as many parts as fill it (the kernel derives the same split from
+    // this grid)
+    const SplitTail st(units, num_kb, slots);
+    if (units <= slots) grid = st.tail * st.parts;
     if (g.workspace == nullptr || g.counters == nullptr) return "split tail: no workspace";
   }
   const uint32_t stage_bytes =

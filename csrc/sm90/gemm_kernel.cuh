@@ -136,17 +136,18 @@ __device__ __forceinline__ void tile_coords(int t, int num_m, int num_n, int gro
 // share operand tiles in L2. (Stream-K, an even share of all iterations a CTA, puts the
 // CTAs at scattered K offsets: they stopped sharing the weights in L2 and ran 1.3-2.6x
 // slower, results/2026-11-26_gemm_split_tail_h100.log.)
+// (Also the host's: launch() sizes the grid with it, so both sides agree on the split.)
 struct SplitTail {
   int dp_end;  // tiles below it: whole
   int tail;    // the tiles from dp_end on
   int parts;   // K ranges a tail tile is split into (1: whole)
-  __device__ __forceinline__ SplitTail(int units, int num_kb, int ctas) {
+  __host__ __device__ __forceinline__ SplitTail(int units, int num_kb, int ctas) {
     tail = units <= ctas ? units : units % ctas;
     dp_end = units - tail;
-    parts = tail == 0 ? 1 : min(num_kb, ctas / tail);
+    parts = tail == 0 ? 1 : num_kb < ctas / tail ? num_kb : ctas / tail;
   }
   // part s of a tail tile: K blocks [kb(s), kb(s + 1))
-  __device__ __forceinline__ int kb(int s, int num_kb) const {
+  __host__ __device__ __forceinline__ int kb(int s, int num_kb) const {
     return s * (num_kb / parts) + min(s, num_kb % parts);
   }
 };
@@ -608,8 +609,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
     constexpr bool kIssueNext = true, kLast = false;
 
     // Tiles u: all K blocks of every unit_stride-th unit from first_unit; with kSplitTail those
-    // below dp_end, then this CTA's share of the split tiles' iterations, tile by tile (nkb of
-    // a tile's K blocks).
+    // below dp_end, then this CTA's part of a tail tile (nkb of its K blocks).
     // (the split is recomputed where it is used: kept live it cost the per-row tiles a spill)
     int dp_end = num_units;
     bool tail_part = false;

@@ -517,6 +517,20 @@ def test_sm90_split_tail_parts_sum_deterministically(config, m, n, k, per_row, m
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", _SPLIT_TAIL)
+def test_sm90_split_tail_without_workspace_is_an_error(config):
+    """The extension refuses a split-tail launch without its workspace and counters (the
+    Python side always passes them) instead of letting the kernel write through null."""
+    from fp8linear.kernels import build
+    *_, wq, ws, _ = make_data({"m": 300, "n": 1000, "k": 4096, "per_row": False,
+                               "out": "bf16", "bias": None, "seed": 7})
+    x = torch.randn(300, 4096, device=DEVICE).to(torch.bfloat16)
+    out = _poisoned(300, 1000, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="fp8linear gemm: split tail: no workspace"):
+        build.load().gemm(x, None, wq, ws, False, None, out, config, False, False, 0, 1, 0, 0)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", range(len(heuristics.SM90_GEMM_CONFIGS)))
 @pytest.mark.parametrize("extra", [8, 7])    # 7: the moved block's first row rounded up to x4
 def test_sm90_last_m_block_moved_in_bounds(config, extra, monkeypatch):
