@@ -178,6 +178,27 @@ def _decode_ctas_per_sm(bt: int, kbs: int, rows: int, forced: str | None) -> int
     return 1
 
 
+def _decode_four_splits(num_kb: int, tiles: int, splits: int, num_sms: int):
+    """(splits, CTAs an SM) for a 64-row plan that splits K (2 or 3 ways) at one CTA an SM, its
+    K ranges too long for two CTAs an SM (> 16 blocks): 4 splits at two an SM wherever each
+    range is then <= 16 blocks and the grid fits in one wave: twice the CTAs stream, each a
+    shorter K range. The read ceiling (scripts/dev_read_ceiling.py: a decode GEMM with free
+    math; results/2026-11-26_decode_read_ceiling_h100.log) reaches 101% of the weight-read floor
+    on 4096x7168 back to back at 4 splits and 2 CTAs an SM against 84% for our 2 and 1.
+    Measured (H100, M = 1-16, same log; block_fp8_gemm, fp8_linear the same within a few %):
+    4096x7168 x 1-6 back to back 11.3 -> 10.7 us (84 -> 88% of the floor), after an elementwise
+    kernel, a PDL-aware norm or our fused norm +1-2%; on 4096x8192, 4096x6144, 3584x7168,
+    3072x7168, 3072x8192, 2560x8192 (geomean by mode) back to back +3-12%, after an elementwise
+    kernel +2-6%, after our fused norm +0-18% (the losses: 3072x8192 x 16 after our fused norm
+    -7%, fp8_linear on 2560x8192 x 1-4 back to back -6%). More splits to fill both slots of
+    every SM (5-6 on the 3072- and 2560-row weights) lose after our fused norm (up to 25%).
+    Unsplit plans stay unsplit: a split adds the reduction (6144x4096 at 2 splits and 2 CTAs an
+    SM: 6% faster back to back, 9-12% slower after a kernel)."""
+    if splits < 4 <= num_kb and tiles * 4 <= 2 * num_sms and cdiv(num_kb, 4) <= 16:
+        return 4, 2
+    return splits, 1
+
+
 def _decode_rows(n: int, m_tiles: int, num_sms: int) -> int:
     tiles64 = cdiv(n, 64) * m_tiles
     # 64 weight rows a CTA (the two math warpgroups on alternate K blocks) give twice the CTAs
@@ -261,11 +282,12 @@ def sm90_decode_early_trigger(plan, tiles: int, num_sms: int) -> bool:
     fp8_linear, 6144x4096 (96) -1 to -3%; with splits or over a wave early stays ahead
     (4096^2, 2112x7168: +7 to +27% fp8_linear; 24576x1536, 32768x512: +8 to +12%).
     Those are all plans of two CTAs an SM, where the early CTAs fit beside ours. A split plan
-    of one CTA an SM within a wave (4096x7168 and 4096x14336 at 1-4 tokens) gains nothing
-    from it: their CTAs wait for ours to leave anyway. Session 19,
-    results/2026-11-26_decode_early_trigger_one_cta_h100.log: 4096x7168 x 1-4 back to back
-    0.8% faster without (block_fp8_gemm 11.34 -> 11.26 us, fp8_linear 12.06 -> 11.93), after
-    an elementwise kernel or a PDL-aware norm unchanged; 4096x14336 unchanged every way.
+    of one CTA an SM within a wave (4096x14336 at 1-4 tokens; 4096x7168 before it took 4
+    splits at two an SM) gains nothing from it: their CTAs wait for ours to leave anyway.
+    Session 19, results/2026-11-26_decode_early_trigger_one_cta_h100.log: 4096x7168 x 1-4
+    back to back 0.8% faster without (block_fp8_gemm 11.34 -> 11.26 us, fp8_linear 12.06 ->
+    11.93), after an elementwise kernel or a PDL-aware norm unchanged; 4096x14336 unchanged
+    every way.
     FP8LINEAR_SM90_DECODE_EARLY_TRIGGER=0 / 1 forces it.
     """
     v = _switch(_DECODE_EARLY_TRIGGER)
@@ -648,6 +670,9 @@ def _sm90_plan(m: int, n: int, k: int, num_sms: int, decode_max: int = SM90_DECO
         # (CTAs owning fewer rows than 64 / 128 run one an SM: csrc/sm90/decode_kernel.cuh)
         ctas = (_decode_ctas_per_sm(bt, cdiv(num_kb, splits), rows, forced_ctas)
                 if rows in (64, 128) else 1)
+        if (rows == 64 and splits > 1 and ctas == 1 and bt <= 16 and forced_splits is None
+                and forced_ctas is None):  # (measured with token tiles of 8 and 16)
+            splits, ctas = _decode_four_splits(num_kb, tiles, splits, num_sms)
         # 17-32 tokens where the decode grid needs no K split to fill the SMs (many weight
         # rows) and either each CTA streams a short K range (<= 12 blocks) or the weights are
         # large (>= 100 MB): the large-M tiles, as picked for 33-64 tokens below. After an

@@ -86,6 +86,10 @@ def test_forced_gemm_config(monkeypatch):
     (1, 2112, 7168, 0, 4, 2, 64),    # 33 tiles x 4 splits
     (1, 7168, 16384, 0, 1, 1, 64),   # 112 tiles: no split; 128 K blocks a CTA: one CTA an SM
     (1, 6144, 4096, 0, 1, 1, 64),    # 96 tiles, no split
+    (1, 4096, 7168, 0, 4, 2, 64),    # 2 splits of 28 K blocks at one CTA an SM -> 4 of 14 at two
+    (16, 2560, 8192, 1, 4, 2, 64),   # 3 splits of 22 -> 4 of 16
+    (1, 4096, 14336, 0, 2, 1, 64),   # 4 splits would still leave 28 K blocks a CTA
+    (32, 3072, 8192, 2, 2, 1, 64),   # (32-token tiles: not measured at 4 splits)
     (16, 2112, 7168, 1, 4, 2, 64),   # (4096 rows at 8-32 tokens: 64x32 tiles, below)
     (32, 2112, 7168, 2, 4, 2, 64),   # 56 K blocks: the decode kernel, not 64x64 tiles
     (64, 1536, 7168, 3, 5, 1, 64),   # 96 tiles of 64x16 < 3/4 of the SMs: decode, 5 splits
@@ -236,7 +240,8 @@ def test_decode_cluster_reduce(m, n, k, cluster, monkeypatch):
     (16, 6144, 4096, False),        # 96 unsplit CTAs
     (1, 4096, 4096, True),          # 2 splits: the next GEMM streams during our reduction
     (1, 2112, 7168, True),          # 4 splits
-    (1, 4096, 7168, False),         # 2 splits of one CTA an SM: the next GEMM's cannot fit
+    (1, 4096, 14336, False),        # 2 splits of one CTA an SM: the next GEMM's cannot fit
+    (1, 4096, 7168, True),          # 4 splits of two CTAs an SM
     (1, 24576, 1536, True),         # 192 CTAs: over a wave
 ])
 def test_decode_early_trigger(m, n, k, early, monkeypatch):

@@ -1,0 +1,332 @@
+"""Device probe: issue 4's two open targets against what any kernel of this kind can reach.
+
+1. The floor (>= 85% of weight bytes / read bandwidth where that is >= 8 us, 75% below):
+   scripts/dev_read_ceiling.cu's read_ceiling, a decode GEMM with free math (weights staged
+   through a shared-memory ring, no slot reused before griddepcontrol.wait returns), swept
+   over rows a CTA, split count, ring bytes and PDL trigger placement, timed as
+   bench_gemm.py times a GEMM (a CUDA graph of L launches cycling copies past 420 MB,
+   median over interleaved replays), beside block_fp8_gemm on the same shape. The best
+   variant per shape is a ceiling for kernels that stage weights through shared memory.
+2. fp8_linear's hop (within 1 us of block_fp8_gemm at M <= 16): block_fp8_gemm with an empty
+   PDL kernel before it (griddepcontrol.wait + launch_dependents, one CTA) against
+   block_fp8_gemm alone: the least a second kernel (a quantization kernel) adds to a step.
+
+3. What the decode kernel's other parts cost on the ceiling (activation tiles in the ring, the
+   split reduction), beside block_fp8_gemm, in the same modes.
+
+    python scripts/dev_read_ceiling.py [--so build/dev_read_ceiling.so] [--part floor,parts,hop]
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+import common as C  # noqa: E402
+
+FLOOR_SHAPES = [(2112, 7168), (4096, 4096), (7168, 2048), (6144, 4096), (4096, 7168),
+                (4096, 14336), (8192, 8192)]
+# (N, K, M): the points where fp8_linear's hop was over 1 us back to back (bench_decode v44)
+HOP_POINTS = [(4096, 4096, 1), (4096, 4096, 8), (4096, 4096, 16), (4096, 7168, 8),
+              (4096, 7168, 16), (4096, 14336, 4),
+              (4096, 14336, 16), (7168, 2048, 8), (7168, 2048, 16), (8192, 8192, 16),
+              (8192, 28672, 1), (10240, 8192, 4), (10240, 8192, 16), (24576, 1536, 16),
+              (28672, 4096, 1), (57344, 8192, 1)]
+
+
+def build(so: str) -> ctypes.CDLL:
+    src = os.path.join(ROOT, "scripts", "dev_read_ceiling.cu")
+    os.makedirs(os.path.dirname(os.path.abspath(so)), exist_ok=True)
+    subprocess.run(["nvcc", "-arch=sm_90a", "-O3", "-shared", "-Xcompiler", "-fPIC",
+                    "-I" + os.path.join(ROOT, "csrc"), src, "-o", so], check=True)
+    lib = ctypes.CDLL(so)
+    lib.ceiling_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                   ctypes.c_void_p] + [ctypes.c_int] * 7 + [
+                                   ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2
+    lib.empty_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    return lib
+
+
+def stream_ptr() -> int:
+    return torch.cuda.current_stream().cuda_stream
+
+
+def variants():
+    """(name, rows, splits, ring KB, trigger_early, layout): layout 0 the decode kernel's 2D
+    boxes, 1 contiguous stages (c)"""
+    out = []
+    for rows in (64, 128):
+        for splits in (1, 2, 4):
+            for kb in (32, 64, 96, 128, 192):
+                for early in (1, 0):
+                    out.append((f"r{rows}s{splits}k{kb}{'e' if early else 'l'}", rows, splits,
+                                kb, early, 0))
+                if kb in (64, 128):
+                    out.append((f"r{rows}s{splits}k{kb}ec", rows, splits, kb, 1, 1))
+    return out
+
+
+def act_scales(s, m):
+    """[M, Kb] scales as the benchmark passes them: M-major, ld a multiple of 4 (read in place
+    by the large-M kernel, no transposing copy)"""
+    ld = -(-m // 4) * 4
+    buf = torch.empty(s.shape[1], ld, dtype=torch.float32, device=s.device)
+    buf[:, :m].copy_(s.t())
+    return buf[:, :m].t()
+
+
+MODES = ("b2b", "elem", "fused_norm")  # back to back; after bench_gemm's neighbour kernels
+
+
+def floor_part(lib, gbps, replays, res):
+    import neighbour
+    from fp8linear import block_fp8_gemm, quantize_activation, quantize_weight
+    print(f"\n# 1. floor: read_ceiling (free math) vs block_fp8_gemm (read bandwidth {gbps:.0f} "
+          f"GB/s); modes: back to back, after an elementwise kernel, after our fused norm "
+          f"(its time subtracted)")
+    print(f"{'shape':>11} {'mode':>10} {'floor':>6} {'ours M=1':>9} {'%':>5} {'ours M=16':>9} "
+          f"{'%':>5} {'ceiling':>8} {'%':>5}  best variant (next two); the b2b best here; "
+          f"best with contiguous stages")
+    for n, k in FLOOR_SHAPES:
+        wbytes = n * k + 4 * -(-n // 128) * -(-k // 128)
+        floor = wbytes / (gbps * 1e3)
+        copies = max(2, C.copies_for(n * k, 420e6))
+        L = C.launches_for(copies, floor)
+        # (rows padded to 128: the contiguous layout reads whole tiles)
+        ws = [torch.randint(0, 256, (-(-n // 128) * 128, k), dtype=torch.uint8, device="cuda")
+              for _ in range(copies)]
+        out = torch.empty(4 * 132 * 8, dtype=torch.float32, device="cuda")
+        nb_x = torch.randn(8, k, device="cuda").to(torch.bfloat16)
+        nb_g = torch.randn(k, device="cuda").to(torch.bfloat16)
+        nb_o = torch.empty_like(nb_x)
+        betweens = {"b2b": None}
+        for mode in MODES[1:]:
+            run = neighbour.make(mode, nb_x, nb_g, nb_o)
+            betweens[mode] = lambda i, run=run: run()
+        graphs = {}
+        for name, rows, splits, kb, early, layout in variants():
+            depth = kb * 1024 // (rows * 128)
+            if depth < 2:
+                continue
+
+            def launch(i, rows=rows, splits=splits, depth=depth, early=early, layout=layout):
+                e = lib.ceiling_launch(stream_ptr(), ws[i % copies].data_ptr(), n, k,
+                                       out.data_ptr(), rows, splits, depth, early, 0, 1, layout,
+                                       None, 0, 0, 0, None, None)
+                if e:
+                    raise RuntimeError(f"ceiling_launch: cuda error {e}")
+            for mode in MODES if layout == 0 else ("b2b",):
+                graphs[f"{mode}:{name}"] = C.capture_graph(launch, L, warmup_calls=copies,
+                                                           between=betweens[mode])
+        # ours on fp8 weights of the same shape
+        wq, wsc = [], []
+        for i in range(copies):
+            q, sc = quantize_weight(torch.randn(n, k, device="cuda") * 0.02)
+            wq.append(q)
+            wsc.append(sc)
+        for m in (1, 16):
+            a, sc = quantize_activation(torch.randn(m, k, device="cuda").to(torch.bfloat16))
+            sc = act_scales(sc, m)
+            for mode in MODES:
+                graphs[f"{mode}:ours{m}"] = C.capture_graph(
+                    lambda i, a=a, sc=sc: block_fp8_gemm(a, sc, wq[i % copies], wsc[i % copies]),
+                    L, warmup_calls=copies, between=betweens[mode])
+        for mode in MODES[1:]:
+            graphs[f"{mode}:_nb"] = C.capture_graph(lambda i: None, L, between=betweens[mode])
+        t = C.time_graphs_interleaved(graphs, replays)
+        us = {name: C.median(v) / L for name, v in t.items()}
+        for mode in MODES[1:]:
+            nb = us.pop(f"{mode}:_nb")
+            for key in us:
+                if key.startswith(mode + ":"):
+                    us[key] -= nb
+        res.setdefault("floor", []).append({"shape": f"{n}x{k}", "floor_us": floor, "us": us})
+        b2b_best = None
+        for mode in MODES:
+            mine = {key.split(":", 1)[1]: v for key, v in us.items() if key.startswith(mode + ":")}
+            ranked = sorted((v, name) for name, v in mine.items()
+                            if not name.startswith("ours") and not name.endswith("c"))
+            best = ranked[0]
+            if mode == "b2b":
+                b2b_best = best[1]
+            tail = f"; {b2b_best} {mine[b2b_best]:.2f} {100 * floor / mine[b2b_best]:.1f}%"
+            if mode == "b2b":
+                bc = min((v, name) for name, v in mine.items() if name.endswith("c"))
+                tail = f"; {bc[1]} {bc[0]:.2f} {100 * floor / bc[0]:.1f}%"
+            print(f"{n:>5}x{k:<5} {mode:>10} {floor:6.2f} {mine['ours1']:9.2f} "
+                  f"{100 * floor / mine['ours1']:5.1f} {mine['ours16']:9.2f} "
+                  f"{100 * floor / mine['ours16']:5.1f} {best[0]:8.2f} "
+                  f"{100 * floor / best[0]:5.1f}  {best[1]} ("
+                  + ", ".join(f"{nm} {v:.2f}" for v, nm in ranked[1:3]) + ")" + tail,
+                  flush=True)
+        del graphs, ws, wq, wsc
+        torch.cuda.empty_cache()
+
+
+# the decode kernel's parts other than the weight stream and the math, added to read_ceiling:
+# (name, act, first, reduce)
+PARTS = [("free", 0, 0, 0), ("act", 1, 0, 0), ("act8", 1, 8, 0), ("red", 0, 0, 1),
+         ("act+red", 1, 0, 1), ("act8+red", 1, 8, 1)]
+# (rows, splits, weight ring KB): the decode plans' own geometries and the ceiling's best
+GEOMETRIES = [(64, 1, 128), (64, 1, 96), (64, 2, 96), (64, 2, 128), (64, 4, 64), (64, 4, 96),
+              (128, 2, 192)]
+
+
+def parts_part(lib, gbps, replays, res):
+    import neighbour
+    from fp8linear import block_fp8_gemm, quantize_activation, quantize_weight
+    print(f"\n# 3. parts: read_ceiling (early trigger) plus the decode kernel's other parts "
+          f"(act: 8-token activation tiles a stage after the whole ring, act8: after 8 weight "
+          f"stages; red: split partials through a workspace, the last CTA summing; an fp32 "
+          f"partial store without splits), us; ours = block_fp8_gemm at M = 1 / 8; read "
+          f"bandwidth {gbps:.0f} GB/s")
+    for n, k in FLOOR_SHAPES:
+        floor = (n * k + 4 * -(-n // 128) * -(-k // 128)) / (gbps * 1e3)
+        copies = max(2, C.copies_for(n * k, 420e6))
+        L = C.launches_for(copies, floor)
+        ws = [torch.randint(0, 256, (-(-n // 128) * 128, k), dtype=torch.uint8, device="cuda")
+              for _ in range(copies)]
+        x8 = torch.randint(0, 256, (8, k), dtype=torch.uint8, device="cuda")
+        out = torch.empty(n * 8 + 4096, dtype=torch.float32, device="cuda")
+        work = torch.empty(n * 4 * 8 + 4096, dtype=torch.float32, device="cuda")
+        counters = torch.zeros(256, dtype=torch.int32, device="cuda")
+        nb_x = torch.randn(8, k, device="cuda").to(torch.bfloat16)
+        nb_g = torch.randn(k, device="cuda").to(torch.bfloat16)
+        nb_o = torch.empty_like(nb_x)
+        betweens = {"b2b": None}
+        for mode in MODES[1:]:
+            run = neighbour.make(mode, nb_x, nb_g, nb_o)
+            betweens[mode] = lambda i, run=run: run()
+        graphs = {}
+        for rows, splits, kb in GEOMETRIES:
+            depth = kb * 1024 // (rows * 128)
+            for pname, act, first, reduce in PARTS:
+                def launch(i, rows=rows, splits=splits, depth=depth, act=act, first=first,
+                           reduce=reduce):
+                    e = lib.ceiling_launch(stream_ptr(), ws[i % copies].data_ptr(), n, k,
+                                           out.data_ptr(), rows, splits, depth, 1, 0, 1, 0,
+                                           x8.data_ptr(), act, first, reduce, work.data_ptr(),
+                                           counters.data_ptr())
+                    if e:
+                        raise RuntimeError(f"ceiling_launch: cuda error {e}")
+                for mode in MODES:
+                    graphs[f"{mode}:r{rows}s{splits}k{kb}:{pname}"] = C.capture_graph(
+                        launch, L, warmup_calls=copies, between=betweens[mode])
+        wq, wsc = [], []
+        for i in range(copies):
+            q, sc = quantize_weight(torch.randn(n, k, device="cuda") * 0.02)
+            wq.append(q)
+            wsc.append(sc)
+        for m in (1, 8):
+            a, sc = quantize_activation(torch.randn(m, k, device="cuda").to(torch.bfloat16))
+            sc = act_scales(sc, m)
+            for mode in MODES:
+                graphs[f"{mode}:ours:{m}"] = C.capture_graph(
+                    lambda i, a=a, sc=sc: block_fp8_gemm(a, sc, wq[i % copies], wsc[i % copies]),
+                    L, warmup_calls=copies, between=betweens[mode])
+        for mode in MODES[1:]:
+            graphs[f"{mode}:_nb"] = C.capture_graph(lambda i: None, L, between=betweens[mode])
+        t = C.time_graphs_interleaved(graphs, replays)
+        us = {name: C.median(v) / L for name, v in t.items()}
+        for mode in MODES[1:]:
+            nb = us.pop(f"{mode}:_nb")
+            for key in us:
+                if key.startswith(mode + ":"):
+                    us[key] -= nb
+        res.setdefault("parts", []).append({"shape": f"{n}x{k}", "floor_us": floor, "us": us})
+        for mode in MODES:
+            print(f"{n}x{k} {mode} (floor {floor:.2f} us): ours M=1 {us[f'{mode}:ours:1']:.2f}, "
+                  f"M=8 {us[f'{mode}:ours:8']:.2f}")
+            print(f"{'geometry':>14} " + " ".join(f"{pn:>9}" for pn, *_ in PARTS))
+            for rows, splits, kb in GEOMETRIES:
+                g = f"r{rows}s{splits}k{kb}"
+                print(f"{g:>14} " + " ".join(f"{us[f'{mode}:{g}:{pn}']:9.2f}"
+                                             for pn, *_ in PARTS), flush=True)
+        del graphs, ws, wq, wsc
+        torch.cuda.empty_cache()
+
+
+def hop_part(lib, replays, res):
+    from fp8linear import block_fp8_gemm, fp8_linear, quantize_activation, quantize_weight
+    print("\n# 2. hop: block_fp8_gemm alone, after an empty PDL kernel (releasing its dependents "
+          "first, as the quant kernel does; or after its wait: 'late'), and fp8_linear (us, back "
+          "to back)")
+    print(f"{'point':>18} {'gemm':>8} {'empty+gemm':>10} {'late+gemm':>10} {'linear':>8} "
+          f"{'+empty':>7} {'+late':>6} {'hop':>6}")
+    for n, k, m in HOP_POINTS:
+        copies = max(2, C.copies_for(n * k, 420e6))
+        est = n * k / 3e6
+        L = C.launches_for(copies, est)
+        wq, wsc = [], []
+        for i in range(copies):
+            q, s = quantize_weight(torch.randn(n, k, device="cuda") * 0.02)
+            wq.append(q)
+            wsc.append(s)
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        a, s = quantize_activation(x)
+        s = act_scales(s, m)
+
+        def gemm(i):
+            return block_fp8_gemm(a, s, wq[i % copies], wsc[i % copies])
+
+        def empty_gemm(i, first):
+            e = lib.empty_launch(stream_ptr(), 1, first)
+            if e:
+                raise RuntimeError(f"empty_launch: cuda error {e}")
+            return gemm(i)
+        graphs = {"gemm": C.capture_graph(gemm, L, warmup_calls=copies),
+                  "empty": C.capture_graph(lambda i: empty_gemm(i, 1), L, warmup_calls=copies),
+                  "empty_late": C.capture_graph(lambda i: empty_gemm(i, 0), L,
+                                                warmup_calls=copies),
+                  "linear": C.capture_graph(lambda i: fp8_linear(x, wq[i % copies],
+                                                                 wsc[i % copies]),
+                                            L, warmup_calls=copies)}
+        t = C.time_graphs_interleaved(graphs, replays)
+        us = {name: C.median(v) / L for name, v in t.items()}
+        res.setdefault("hop", []).append({"point": [n, k, m], "us": us})
+        g = us["gemm"]
+        print(f"{n:>6}x{k:<6} x{m:<3} {g:8.2f} {us['empty']:10.2f} {us['empty_late']:10.2f} "
+              f"{us['linear']:8.2f} {us['empty'] - g:7.2f} {us['empty_late'] - g:6.2f} "
+              f"{us['linear'] - g:6.2f}", flush=True)
+        del graphs, wq, wsc
+        torch.cuda.empty_cache()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--so", default=os.path.join(ROOT, "build", "dev_read_ceiling.so"))
+    ap.add_argument("--part", default="floor,hop")
+    ap.add_argument("--replays", type=int, default=15)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    lib = build(args.so)
+    bw = C.measure_read_bandwidth()
+    gbps = bw["read_bw_gbps"]
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; read bandwidth "
+          f"{gbps:.0f} GB/s ({bw['read_bw_op']} over {bw['read_bw_bytes'] / 2**30:.0f} GiB)")
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "read_bw_gbps": gbps}
+    parts = args.part.split(",")
+    if "floor" in parts:
+        floor_part(lib, gbps, args.replays, res)
+    if "parts" in parts:
+        parts_part(lib, gbps, args.replays, res)
+    if "hop" in parts:
+        hop_part(lib, args.replays, res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
