@@ -196,9 +196,10 @@ int ceiling_launch(void* stream, const void* w, int n, int k, float* out, int ro
                 static_cast<cudaStream_t>(stream), args, pdl != 0);
 }
 
-int empty_launch(void* stream, int pdl, int trigger_first) {
+// grid CTAs of `threads` threads (the quantization kernel's launch: empty, its grid's cost)
+int empty_launch(void* stream, int pdl, int trigger_first, int grid, int threads) {
   void* args[] = {&trigger_first};
-  return launch(reinterpret_cast<const void*>(empty_kernel), dim3(1), dim3(32), 0,
+  return launch(reinterpret_cast<const void*>(empty_kernel), dim3(grid), dim3(threads), 0,
                 static_cast<cudaStream_t>(stream), args, pdl != 0);
 }
 

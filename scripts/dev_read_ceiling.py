@@ -8,8 +8,9 @@
    median over interleaved replays), beside block_fp8_gemm on the same shape. The best
    variant per shape is a ceiling for kernels that stage weights through shared memory.
 2. fp8_linear's hop (within 1 us of block_fp8_gemm at M <= 16): block_fp8_gemm with an empty
-   PDL kernel before it (griddepcontrol.wait + launch_dependents, one CTA) against
-   block_fp8_gemm alone: the least a second kernel (a quantization kernel) adds to a step.
+   PDL kernel before it (griddepcontrol.wait + launch_dependents; one CTA, or the quant
+   kernel's grid) against block_fp8_gemm alone: the least a second kernel (a quantization
+   kernel) adds to a step; and the quant kernel itself before block_fp8_gemm.
 
 3. What the decode kernel's other parts cost on the ceiling (activation tiles in the ring, the
    split reduction), beside block_fp8_gemm, in the same modes.
@@ -40,7 +41,9 @@ HOP_POINTS = [(4096, 4096, 1), (4096, 4096, 8), (4096, 4096, 16), (4096, 7168, 8
               (4096, 7168, 16), (4096, 14336, 4),
               (4096, 14336, 16), (7168, 2048, 8), (7168, 2048, 16), (8192, 8192, 16),
               (8192, 28672, 1), (10240, 8192, 4), (10240, 8192, 16), (24576, 1536, 16),
-              (28672, 4096, 1), (57344, 8192, 1)]
+              (28672, 4096, 1), (57344, 8192, 1),
+              # (and three under 1 us)
+              (4096, 7168, 1), (6144, 4096, 1), (8192, 8192, 1)]
 
 
 def build(so: str) -> ctypes.CDLL:
@@ -52,7 +55,7 @@ def build(so: str) -> ctypes.CDLL:
     lib.ceiling_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                    ctypes.c_void_p] + [ctypes.c_int] * 7 + [
                                    ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2
-    lib.empty_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.empty_launch.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 4
     return lib
 
 
@@ -257,11 +260,15 @@ def parts_part(lib, gbps, replays, res):
 
 def hop_part(lib, replays, res):
     from fp8linear import block_fp8_gemm, fp8_linear, quantize_activation, quantize_weight
-    print("\n# 2. hop: block_fp8_gemm alone, after an empty PDL kernel (releasing its dependents "
-          "first, as the quant kernel does; or after its wait: 'late'), and fp8_linear (us, back "
-          "to back)")
-    print(f"{'point':>18} {'gemm':>8} {'empty+gemm':>10} {'late+gemm':>10} {'linear':>8} "
-          f"{'+empty':>7} {'+late':>6} {'hop':>6}")
+    from fp8linear.kernels import build
+    ext = build.load()
+    print("\n# 2. hop (us, back to back): block_fp8_gemm alone; after an empty PDL kernel of one "
+          "CTA releasing its dependents first, as the quant kernel does (+e1) or after its wait "
+          "(+late); after an empty kernel of the quant kernel's grid (+eG: M x K/128 warps, 8 a "
+          "CTA); after the quant kernel itself (+quant: block_fp8_gemm on its output); "
+          "fp8_linear (hop)")
+    print(f"{'point':>18} {'gemm':>8} {'+e1':>6} {'+late':>6} {'+eG':>6} {'+quant':>7} "
+          f"{'hop':>6}")
     for n, k, m in HOP_POINTS:
         copies = max(2, C.copies_for(n * k, 420e6))
         est = n * k / 3e6
@@ -274,29 +281,40 @@ def hop_part(lib, replays, res):
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         a, s = quantize_activation(x)
         s = act_scales(s, m)
+        kb = -(-k // 128)
+        qx = torch.empty(m, k, dtype=torch.float8_e4m3fn, device="cuda")
+        ld = -(-m // 4) * 4
+        st = torch.empty(kb, ld, dtype=torch.float32, device="cuda")
+        grid = -(-(m * kb) // 8)
 
         def gemm(i):
             return block_fp8_gemm(a, s, wq[i % copies], wsc[i % copies])
 
-        def empty_gemm(i, first):
-            e = lib.empty_launch(stream_ptr(), 1, first)
+        def empty_gemm(i, first, g, t):
+            e = lib.empty_launch(stream_ptr(), 1, first, g, t)
             if e:
                 raise RuntimeError(f"empty_launch: cuda error {e}")
             return gemm(i)
-        graphs = {"gemm": C.capture_graph(gemm, L, warmup_calls=copies),
-                  "empty": C.capture_graph(lambda i: empty_gemm(i, 1), L, warmup_calls=copies),
-                  "empty_late": C.capture_graph(lambda i: empty_gemm(i, 0), L,
-                                                warmup_calls=copies),
-                  "linear": C.capture_graph(lambda i: fp8_linear(x, wq[i % copies],
-                                                                 wsc[i % copies]),
-                                            L, warmup_calls=copies)}
+
+        def quant_gemm(i):
+            ext.quant(x, qx, st, True)
+            return block_fp8_gemm(qx, st[:, :m].t(), wq[i % copies], wsc[i % copies])
+        launches = {"gemm": gemm, "e1": lambda i: empty_gemm(i, 1, 1, 32),
+                    "late": lambda i: empty_gemm(i, 0, 1, 32),
+                    "eG": lambda i: empty_gemm(i, 1, grid, 256), "quant": quant_gemm,
+                    "linear": lambda i: fp8_linear(x, wq[i % copies], wsc[i % copies])}
+        graphs = {name: C.capture_graph(f, L, warmup_calls=copies) for name, f in launches.items()}
+        ref = quant_gemm(0).float()
+        got = fp8_linear(x, wq[0], wsc[0]).float()
+        err = float((got - ref).norm() / ref.norm())
         t = C.time_graphs_interleaved(graphs, replays)
         us = {name: C.median(v) / L for name, v in t.items()}
-        res.setdefault("hop", []).append({"point": [n, k, m], "us": us})
+        res.setdefault("hop", []).append({"point": [n, k, m], "us": us, "quant_vs_linear": err})
         g = us["gemm"]
-        print(f"{n:>6}x{k:<6} x{m:<3} {g:8.2f} {us['empty']:10.2f} {us['empty_late']:10.2f} "
-              f"{us['linear']:8.2f} {us['empty'] - g:7.2f} {us['empty_late'] - g:6.2f} "
-              f"{us['linear'] - g:6.2f}", flush=True)
+        print(f"{n:>6}x{k:<6} x{m:<3} {g:8.2f} {us['e1'] - g:6.2f} {us['late'] - g:6.2f} "
+              f"{us['eG'] - g:6.2f} {us['quant'] - g:7.2f} {us['linear'] - g:6.2f}"
+              + (f"  (quant+gemm vs fp8_linear: rel err {err:.1e})" if err > 1e-6 else ""),
+              flush=True)
         del graphs, wq, wsc
         torch.cuda.empty_cache()
 
