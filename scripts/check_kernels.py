@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""CI kernel guard (no GPU needed): compile every csrc/**/*.cu for sm_90a as the JIT build does.
+"""CI kernel guard (no GPU needed): compile every csrc/**/*.cu (and the device probes in
+scripts/*.cu) for sm_90a as the JIT build does.
 
 Fails (exit 1, naming the TU and kernel) on a compile error, on any local-memory spill
 reported by ``ptxas -v``, on wgmma serialisation (ptxas C7514/C7515/C7517: the compiler fell back
@@ -140,13 +141,20 @@ def short(name: str, width: int = 64) -> str:
     return name if len(name) <= width else name[:width - 3] + "..."
 
 
+def _rel(tu: Path, csrc: Path) -> str:
+    for base in (csrc, REPO):
+        if tu.is_relative_to(base):
+            return str(tu.relative_to(base))
+    return str(tu)
+
+
 def report(results: list[Result], csrc: Path) -> list[str]:
     """Prints the table; returns the failure lines."""
     failures = []
     names = demangle([f.name for r in results for f in r.funcs])
     rows = [("TU", "kernel", "regs", "smem", "stack", "spill st/ld", "s")]
     for r in results:
-        rel = str(r.tu.relative_to(csrc))
+        rel = _rel(r.tu, csrc)
         if r.rc != 0:
             failures.append(f"{rel}: compile error (nvcc exit {r.rc}):\n"
                             + "\n".join(r.output.strip().splitlines()[-30:]))
@@ -174,12 +182,15 @@ def report(results: list[Result], csrc: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--csrc", type=Path, default=REPO / "csrc")
+    ap.add_argument("--probes", type=Path, default=None,
+                    help="device probes' .cu files (default: scripts/ with the repo's csrc)")
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args(argv)
     csrc = args.csrc.resolve()
 
     failures = [f"{b}: torch headers belong in bindings.cpp only" for b in torch_includes(csrc)]
-    tus = sorted(csrc.rglob("*.cu"))
+    probes = args.probes or (REPO / "scripts" if csrc == (REPO / "csrc").resolve() else None)
+    tus = sorted(csrc.rglob("*.cu")) + (sorted(probes.resolve().glob("*.cu")) if probes else [])
     if not tus:
         print(f"check_kernels: no .cu translation units under {csrc}; nothing to compile")
         return 1 if failures else 0

@@ -1,6 +1,6 @@
-"""CI kernel guard under pytest: every csrc/**/*.cu compiles for sm_90a without local-memory
-spills or wgmma serialisation (scripts/check_kernels.py), and only csrc/bindings.cpp includes
-torch headers.
+"""CI kernel guard under pytest: every csrc/**/*.cu (and scripts/*.cu, the device probes)
+compiles for sm_90a without local-memory spills or wgmma serialisation
+(scripts/check_kernels.py), and only csrc/bindings.cpp includes torch headers.
 
 Needs nvcc, not a GPU. Skips only when nvcc is absent or csrc/ has no .cu yet.
 """
