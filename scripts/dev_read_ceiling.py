@@ -90,9 +90,65 @@ def act_scales(s, m):
 MODES = ("b2b", "elem", "fused_norm")  # back to back; after bench_gemm's neighbour kernels
 
 
+class Shape:
+    """One weight shape's timing set-up: the floor, copies past 420 MB, launches a graph,
+    random weight bytes for the probe (rows padded to 128: the contiguous layout reads whole
+    tiles) and the neighbour kernel of each mode (between(i) for C.capture_graph)."""
+
+    def __init__(self, n, k, gbps):
+        import neighbour
+        self.n, self.k = n, k
+        self.floor = (n * k + 4 * -(-n // 128) * -(-k // 128)) / (gbps * 1e3)
+        self.copies = max(2, C.copies_for(n * k, 420e6))
+        self.L = C.launches_for(self.copies, self.floor)
+        self.ws = [torch.randint(0, 256, (-(-n // 128) * 128, k), dtype=torch.uint8,
+                                 device="cuda") for _ in range(self.copies)]
+        x = torch.randn(8, k, device="cuda").to(torch.bfloat16)
+        g = torch.randn(k, device="cuda").to(torch.bfloat16)
+        self.betweens = {"b2b": None}
+        for mode in MODES[1:]:
+            run = neighbour.make(mode, x, g, torch.empty_like(x))
+            self.betweens[mode] = lambda i, run=run: run()
+
+    def graph(self, launch, mode):
+        return C.capture_graph(launch, self.L, warmup_calls=self.copies,
+                               between=self.betweens[mode])
+
+    def add_ours(self, graphs, ms, key):
+        """block_fp8_gemm on fp8 weights of this shape at each M of ms, every mode, under
+        key.format(mode=, m=)"""
+        from fp8linear import block_fp8_gemm, quantize_activation
+        wq, wsc = fp8_weights(self.n, self.k, self.copies)
+        r = self.copies
+        for m in ms:
+            a, sc = quantize_activation(torch.randn(m, self.k, device="cuda").to(torch.bfloat16))
+            sc = act_scales(sc, m)
+            for mode in MODES:
+                graphs[key.format(mode=mode, m=m)] = self.graph(
+                    lambda i, a=a, sc=sc: block_fp8_gemm(a, sc, wq[i % r], wsc[i % r]), mode)
+
+    def time(self, graphs, replays):
+        """{key: us a launch}, the neighbour's own time (a graph of it alone) subtracted in
+        the modes that have one."""
+        for mode in MODES[1:]:
+            graphs[f"{mode}:_nb"] = self.graph(lambda i: None, mode)
+        t = C.time_graphs_interleaved(graphs, replays)
+        us = {name: C.median(v) / self.L for name, v in t.items()}
+        for mode in MODES[1:]:
+            nb = us.pop(f"{mode}:_nb")
+            for key in us:
+                if key.startswith(mode + ":"):
+                    us[key] -= nb
+        return us
+
+
+def fp8_weights(n, k, copies):
+    from fp8linear import quantize_weight
+    pairs = [quantize_weight(torch.randn(n, k, device="cuda") * 0.02) for _ in range(copies)]
+    return [q for q, _ in pairs], [sc for _, sc in pairs]
+
+
 def floor_part(lib, gbps, replays, res):
-    import neighbour
-    from fp8linear import block_fp8_gemm, quantize_activation, quantize_weight
     print(f"\n# 1. floor: read_ceiling (free math) vs block_fp8_gemm (read bandwidth {gbps:.0f} "
           f"GB/s); modes: back to back, after an elementwise kernel, after our fused norm "
           f"(its time subtracted)")
@@ -100,21 +156,9 @@ def floor_part(lib, gbps, replays, res):
           f"{'%':>5} {'ceiling':>8} {'%':>5}  best variant (next two); the b2b best here; "
           f"best with contiguous stages")
     for n, k in FLOOR_SHAPES:
-        wbytes = n * k + 4 * -(-n // 128) * -(-k // 128)
-        floor = wbytes / (gbps * 1e3)
-        copies = max(2, C.copies_for(n * k, 420e6))
-        L = C.launches_for(copies, floor)
-        # (rows padded to 128: the contiguous layout reads whole tiles)
-        ws = [torch.randint(0, 256, (-(-n // 128) * 128, k), dtype=torch.uint8, device="cuda")
-              for _ in range(copies)]
+        sh = Shape(n, k, gbps)
+        floor, copies, ws = sh.floor, sh.copies, sh.ws
         out = torch.empty(4 * 132 * 8, dtype=torch.float32, device="cuda")
-        nb_x = torch.randn(8, k, device="cuda").to(torch.bfloat16)
-        nb_g = torch.randn(k, device="cuda").to(torch.bfloat16)
-        nb_o = torch.empty_like(nb_x)
-        betweens = {"b2b": None}
-        for mode in MODES[1:]:
-            run = neighbour.make(mode, nb_x, nb_g, nb_o)
-            betweens[mode] = lambda i, run=run: run()
         graphs = {}
         for name, rows, splits, kb, early, layout in variants():
             depth = kb * 1024 // (rows * 128)
@@ -128,30 +172,9 @@ def floor_part(lib, gbps, replays, res):
                 if e:
                     raise RuntimeError(f"ceiling_launch: cuda error {e}")
             for mode in MODES if layout == 0 else ("b2b",):
-                graphs[f"{mode}:{name}"] = C.capture_graph(launch, L, warmup_calls=copies,
-                                                           between=betweens[mode])
-        # ours on fp8 weights of the same shape
-        wq, wsc = [], []
-        for i in range(copies):
-            q, sc = quantize_weight(torch.randn(n, k, device="cuda") * 0.02)
-            wq.append(q)
-            wsc.append(sc)
-        for m in (1, 16):
-            a, sc = quantize_activation(torch.randn(m, k, device="cuda").to(torch.bfloat16))
-            sc = act_scales(sc, m)
-            for mode in MODES:
-                graphs[f"{mode}:ours{m}"] = C.capture_graph(
-                    lambda i, a=a, sc=sc: block_fp8_gemm(a, sc, wq[i % copies], wsc[i % copies]),
-                    L, warmup_calls=copies, between=betweens[mode])
-        for mode in MODES[1:]:
-            graphs[f"{mode}:_nb"] = C.capture_graph(lambda i: None, L, between=betweens[mode])
-        t = C.time_graphs_interleaved(graphs, replays)
-        us = {name: C.median(v) / L for name, v in t.items()}
-        for mode in MODES[1:]:
-            nb = us.pop(f"{mode}:_nb")
-            for key in us:
-                if key.startswith(mode + ":"):
-                    us[key] -= nb
+                graphs[f"{mode}:{name}"] = sh.graph(launch, mode)
+        sh.add_ours(graphs, (1, 16), "{mode}:ours{m}")
+        us = sh.time(graphs, replays)
         res.setdefault("floor", []).append({"shape": f"{n}x{k}", "floor_us": floor, "us": us})
         b2b_best = None
         for mode in MODES:
@@ -171,7 +194,7 @@ def floor_part(lib, gbps, replays, res):
                   f"{100 * floor / best[0]:5.1f}  {best[1]} ("
                   + ", ".join(f"{nm} {v:.2f}" for v, nm in ranked[1:3]) + ")" + tail,
                   flush=True)
-        del graphs, ws, wq, wsc
+        del graphs, sh
         torch.cuda.empty_cache()
 
 
@@ -185,30 +208,18 @@ GEOMETRIES = [(64, 1, 128), (64, 1, 96), (64, 2, 96), (64, 2, 128), (64, 4, 64),
 
 
 def parts_part(lib, gbps, replays, res):
-    import neighbour
-    from fp8linear import block_fp8_gemm, quantize_activation, quantize_weight
     print(f"\n# 3. parts: read_ceiling (early trigger) plus the decode kernel's other parts "
           f"(act: 8-token activation tiles a stage after the whole ring, act8: after 8 weight "
           f"stages; red: split partials through a workspace, the last CTA summing; an fp32 "
           f"partial store without splits), us; ours = block_fp8_gemm at M = 1 / 8; read "
           f"bandwidth {gbps:.0f} GB/s")
     for n, k in FLOOR_SHAPES:
-        floor = (n * k + 4 * -(-n // 128) * -(-k // 128)) / (gbps * 1e3)
-        copies = max(2, C.copies_for(n * k, 420e6))
-        L = C.launches_for(copies, floor)
-        ws = [torch.randint(0, 256, (-(-n // 128) * 128, k), dtype=torch.uint8, device="cuda")
-              for _ in range(copies)]
+        sh = Shape(n, k, gbps)
+        floor, copies, ws = sh.floor, sh.copies, sh.ws
         x8 = torch.randint(0, 256, (8, k), dtype=torch.uint8, device="cuda")
         out = torch.empty(n * 8 + 4096, dtype=torch.float32, device="cuda")
         work = torch.empty(n * 4 * 8 + 4096, dtype=torch.float32, device="cuda")
         counters = torch.zeros(256, dtype=torch.int32, device="cuda")
-        nb_x = torch.randn(8, k, device="cuda").to(torch.bfloat16)
-        nb_g = torch.randn(k, device="cuda").to(torch.bfloat16)
-        nb_o = torch.empty_like(nb_x)
-        betweens = {"b2b": None}
-        for mode in MODES[1:]:
-            run = neighbour.make(mode, nb_x, nb_g, nb_o)
-            betweens[mode] = lambda i, run=run: run()
         graphs = {}
         for rows, splits, kb in GEOMETRIES:
             depth = kb * 1024 // (rows * 128)
@@ -222,29 +233,9 @@ def parts_part(lib, gbps, replays, res):
                     if e:
                         raise RuntimeError(f"ceiling_launch: cuda error {e}")
                 for mode in MODES:
-                    graphs[f"{mode}:r{rows}s{splits}k{kb}:{pname}"] = C.capture_graph(
-                        launch, L, warmup_calls=copies, between=betweens[mode])
-        wq, wsc = [], []
-        for i in range(copies):
-            q, sc = quantize_weight(torch.randn(n, k, device="cuda") * 0.02)
-            wq.append(q)
-            wsc.append(sc)
-        for m in (1, 8):
-            a, sc = quantize_activation(torch.randn(m, k, device="cuda").to(torch.bfloat16))
-            sc = act_scales(sc, m)
-            for mode in MODES:
-                graphs[f"{mode}:ours:{m}"] = C.capture_graph(
-                    lambda i, a=a, sc=sc: block_fp8_gemm(a, sc, wq[i % copies], wsc[i % copies]),
-                    L, warmup_calls=copies, between=betweens[mode])
-        for mode in MODES[1:]:
-            graphs[f"{mode}:_nb"] = C.capture_graph(lambda i: None, L, between=betweens[mode])
-        t = C.time_graphs_interleaved(graphs, replays)
-        us = {name: C.median(v) / L for name, v in t.items()}
-        for mode in MODES[1:]:
-            nb = us.pop(f"{mode}:_nb")
-            for key in us:
-                if key.startswith(mode + ":"):
-                    us[key] -= nb
+                    graphs[f"{mode}:r{rows}s{splits}k{kb}:{pname}"] = sh.graph(launch, mode)
+        sh.add_ours(graphs, (1, 8), "{mode}:ours:{m}")
+        us = sh.time(graphs, replays)
         res.setdefault("parts", []).append({"shape": f"{n}x{k}", "floor_us": floor, "us": us})
         for mode in MODES:
             print(f"{n}x{k} {mode} (floor {floor:.2f} us): ours M=1 {us[f'{mode}:ours:1']:.2f}, "
@@ -254,12 +245,12 @@ def parts_part(lib, gbps, replays, res):
                 g = f"r{rows}s{splits}k{kb}"
                 print(f"{g:>14} " + " ".join(f"{us[f'{mode}:{g}:{pn}']:9.2f}"
                                              for pn, *_ in PARTS), flush=True)
-        del graphs, ws, wq, wsc
+        del graphs, sh
         torch.cuda.empty_cache()
 
 
 def hop_part(lib, replays, res):
-    from fp8linear import block_fp8_gemm, fp8_linear, quantize_activation, quantize_weight
+    from fp8linear import block_fp8_gemm, fp8_linear, quantize_activation
     from fp8linear.kernels import build
     ext = build.load()
     print("\n# 2. hop (us, back to back): block_fp8_gemm alone; after an empty PDL kernel of one "
@@ -273,11 +264,7 @@ def hop_part(lib, replays, res):
         copies = max(2, C.copies_for(n * k, 420e6))
         est = n * k / 3e6
         L = C.launches_for(copies, est)
-        wq, wsc = [], []
-        for i in range(copies):
-            q, s = quantize_weight(torch.randn(n, k, device="cuda") * 0.02)
-            wq.append(q)
-            wsc.append(s)
+        wq, wsc = fp8_weights(n, k, copies)
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         a, s = quantize_activation(x)
         s = act_scales(s, m)
@@ -315,7 +302,7 @@ def hop_part(lib, replays, res):
               f"{us['eG'] - g:6.2f} {us['quant'] - g:7.2f} {us['linear'] - g:6.2f}"
               + (f"  (quant+gemm vs fp8_linear: rel err {err:.1e})" if err > 1e-6 else ""),
               flush=True)
-        del graphs, wq, wsc
+        del graphs
         torch.cuda.empty_cache()
 
 
