@@ -384,16 +384,12 @@ class MData:
                   ).to(torch.bfloat16)
         self.a, self.as_ = fp8linear.quantize_activation(self.x)
         kb = self.as_.shape[1]
-        # DeepGEMM / cuBLASLt: M-major scales [M, Kb] with strides (1, ld), ld = M rounded up
-        # to 4 (16-byte TMA rows); DeepGEMM's own helper makes exactly this.
-        ld = -(-m // 4) * 4
-        buf = torch.empty(kb, ld, dtype=torch.float32, device=DEV)
-        buf[:, :m].copy_(self.as_.t())
-        # (DeepGEMM checks the strides and uses it as is: get_mn_major_tma_aligned_tensor
-        # would return it unchanged; calling that helper here would only JIT a transpose.)
-        self.as_dg = buf[:, :m].t()
+        # DeepGEMM: M-major scales (DeepGEMM checks the strides and uses them as they are:
+        # get_mn_major_tma_aligned_tensor would return them unchanged; calling that helper
+        # here would only JIT a transpose.)
+        self.as_dg = C.m_major_scales(self.as_, m)
         # cuBLASLt: M padded to a multiple of 4; padded rows zero (scale 1)
-        mp = ld
+        mp = -(-m // 4) * 4
         self.a_p = torch.zeros(mp, k, dtype=self.a.dtype, device=DEV)
         self.a_p[:m] = self.a
         sbuf = torch.ones(kb, mp, dtype=torch.float32, device=DEV)

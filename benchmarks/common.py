@@ -142,6 +142,17 @@ def fp8_weight_bytes(n: int, k: int) -> int:
     return n * k + 4 * (-(-n // 128)) * (-(-k // 128))
 
 
+def m_major_scales(a_scale, m: int):
+    """Activation scales [M, Kb] as DeepGEMM takes them and our large-M kernel reads them in
+    place: strides (1, ld), ld = M rounded up to 4 (16-byte TMA rows); DeepGEMM's own helper
+    makes exactly this."""
+    import torch
+    ld = -(-m // 4) * 4
+    buf = torch.empty(a_scale.shape[1], ld, dtype=torch.float32, device=a_scale.device)
+    buf[:, :m].copy_(a_scale.t())
+    return buf[:, :m].t()
+
+
 def min_bytes(m: int, n: int, k: int, weight_bytes: int, a_bytes_per_el: float = 1.0,
               out_bytes_per_el: int = 2) -> int:
     """Each input read once and the output written once."""

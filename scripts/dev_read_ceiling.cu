@@ -16,6 +16,7 @@
 
 #include <cstdint>
 
+#include "common/launch.h"
 #include "common/ptx.cuh"
 #include "common/tma.h"
 
@@ -155,11 +156,9 @@ cudaError_t launch(const void* fn, dim3 grid, dim3 block, size_t smem, cudaStrea
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cudaLaunchAttribute attr = pdl_attribute();
+  cfg.attrs = &attr;
+  cfg.numAttrs = pdl ? 1 : 0;
   return cudaLaunchKernelExC(&cfg, fn, args);
 }
 
@@ -176,8 +175,7 @@ int ceiling_launch(void* stream, const void* w, int n, int k, float* out, int ro
   const int stage_bytes = rows * 128 + (act ? 8 * 128 : 0);
   size_t smem = static_cast<size_t>(depth) * stage_bytes + 2 * depth * sizeof(uint64_t);
   if (smem < static_cast<size_t>(smem_pad)) smem = smem_pad;
-  cudaError_t e = cudaFuncSetAttribute(read_ceiling, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(smem));
+  cudaError_t e = ensure_smem_limit<read_ceiling>(static_cast<int>(smem));
   if (e != cudaSuccess) return e;
   CUtensorMap tw, tx{};
   if (!make_tensor_map_2d(&tw, w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, n, k, k, rows, 128,

@@ -78,15 +78,6 @@ def variants():
     return out
 
 
-def act_scales(s, m):
-    """[M, Kb] scales as the benchmark passes them: M-major, ld a multiple of 4 (read in place
-    by the large-M kernel, no transposing copy)"""
-    ld = -(-m // 4) * 4
-    buf = torch.empty(s.shape[1], ld, dtype=torch.float32, device=s.device)
-    buf[:, :m].copy_(s.t())
-    return buf[:, :m].t()
-
-
 MODES = ("b2b", "elem", "fused_norm")  # back to back; after bench_gemm's neighbour kernels
 
 
@@ -98,7 +89,7 @@ class Shape:
     def __init__(self, n, k, gbps):
         import neighbour
         self.n, self.k = n, k
-        self.floor = (n * k + 4 * -(-n // 128) * -(-k // 128)) / (gbps * 1e3)
+        self.floor = C.fp8_weight_bytes(n, k) / (gbps * 1e3)
         self.copies = max(2, C.copies_for(n * k, 420e6))
         self.L = C.launches_for(self.copies, self.floor)
         self.ws = [torch.randint(0, 256, (-(-n // 128) * 128, k), dtype=torch.uint8,
@@ -122,7 +113,7 @@ class Shape:
         r = self.copies
         for m in ms:
             a, sc = quantize_activation(torch.randn(m, self.k, device="cuda").to(torch.bfloat16))
-            sc = act_scales(sc, m)
+            sc = C.m_major_scales(sc, m)
             for mode in MODES:
                 graphs[key.format(mode=mode, m=m)] = self.graph(
                     lambda i, a=a, sc=sc: block_fp8_gemm(a, sc, wq[i % r], wsc[i % r]), mode)
@@ -267,7 +258,7 @@ def hop_part(lib, replays, res):
         wq, wsc = fp8_weights(n, k, copies)
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         a, s = quantize_activation(x)
-        s = act_scales(s, m)
+        s = C.m_major_scales(s, m)
         kb = -(-k // 128)
         qx = torch.empty(m, k, dtype=torch.float8_e4m3fn, device="cuda")
         ld = -(-m // 4) * 4
