@@ -4,7 +4,8 @@
 # benchmarks/neighbour.py. First a check that the PDL norm kernel computes an RMSNorm.
 #   STEPS=env,build,script SCRIPT=scripts/dev_neighbour_sweep.sh bash benchmarks/device_run.sh
 # Knobs: SHAPES, MS, BETWEEN (comma list of neighbour kinds; b2b: none), VARIANTS, CONFIGS, REPLAYS,
-# LINEAR (1: fp8_linear from bf16, 0: block_fp8_gemm), DG (1: DeepGEMM too).
+# LINEAR (1: fp8_linear from bf16, 0: block_fp8_gemm), DG (1: DeepGEMM too), WITH_GEMM (1: with
+# LINEAR=1, block_fp8_gemm too: each variant's hop).
 set -uo pipefail
 OUT=${OUT:-/tmp/fp8linear-out}
 SHAPES=${SHAPES:-6144x4096,4096x4096,28672x4096,4096x14336}
@@ -40,6 +41,7 @@ for kind in ${BETWEEN//,/ }; do
     python3 scripts/dev_variants.py --shapes "$SHAPES" --m "$MS" \
       $([ "$kind" = b2b ] || echo --between "$kind") \
       $([ "$lin" = 1 ] && echo --linear) $([ "${DG:-0}" = 1 ] || echo --no-dg) \
+      $([ "$lin" = 1 ] && [ "${WITH_GEMM:-0}" = 1 ] && echo --with-gemm) \
       --replays "$REPLAYS" --variants "$VARIANTS" --configs "$CONFIGS" \
       --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
   done

@@ -105,6 +105,9 @@ def main() -> int:
     p.add_argument("--configs", default=None, help="large-M configs to force, e.g. 0,2,3")
     p.add_argument("--variants", default=None, help="name:ENV=V,ENV=V;name:...")
     p.add_argument("--linear", action="store_true", help="time fp8_linear (bf16 in)")
+    p.add_argument("--with-gemm", action="store_true",
+                   help="(--linear) also block_fp8_gemm (no variant's env), interleaved: "
+                        "each variant's hop, fp8_linear's time over the GEMM's")
     p.add_argument("--elem", action="store_true", help="elementwise kernel between GEMMs")
     p.add_argument("--between", default=None,
                    help="the kernel between GEMMs: one of benchmarks/neighbour.py's KINDS "
@@ -152,6 +155,9 @@ def main() -> int:
                 finally:
                     restore(old)
                     use_build({})
+            if args.with_gemm:
+                graphs["GEMM"] = C.capture_graph(B.make_launch("fp8linear", sd, md, libs), L,
+                                                 between=between)
             if libs.dg is not None and n % 64 == 0 and k % 128 == 0:
                 graphs["DG"] = C.capture_graph(B.make_launch("deepgemm", sd, md, libs), L,
                                                between=between)
@@ -168,7 +174,9 @@ def main() -> int:
             print(f"{n:>6}x{k:<5} {m:>5} " + " ".join(f"{us[v]:8.2f}" for v in names) +
                   f" {dg if dg else float('nan'):8.2f} {best:>8} "
                   f"{(dg / us[best]) if dg else float('nan'):7.2f} "
-                  f"{100 * floor / us[best]:6.0f} {max(errs.values()):.1e}", flush=True)
+                  f"{100 * floor / us[best]:6.0f} {max(errs.values()):.1e}"
+                  + (" hop " + " ".join(f"{us[v] - us['GEMM']:5.2f}" for v in names)
+                     if "GEMM" in us else ""), flush=True)
             rows.append(dict(n=n, k=k, m=m, us=us, errs=errs, best=best, elem_us=e))
             del graphs, md
         del sd
@@ -180,6 +188,11 @@ def main() -> int:
         if r:
             print(f"{name} vs {names[0]}: geomean {C.geomean(r):.3f} min {min(r):.3f} "
                   f"max {max(r):.3f} over {len(r)} points", flush=True)
+    for name in names if args.with_gemm else ():
+        hops = sorted(row["us"][name] - row["us"]["GEMM"] for row in rows)
+        if hops:
+            print(f"{name} hop over the GEMM: median {hops[len(hops) // 2]:.2f} us, "
+                  f"over 1 us at {sum(h > 1 for h in hops)} of {len(hops)} points", flush=True)
     print(f"points {len(rows)}; error > 2e-3: {len(bad)}; read bandwidth {bw:.0f} GB/s")
     if args.json:
         with open(args.json, "w") as f:
