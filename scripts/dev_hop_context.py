@@ -3,9 +3,11 @@ which other graphs are replayed between ours? Session 29 found bench_gemm's elem
 median of 0.54 us with only our two methods interleaved and 1.09 us with cuBLASLt and cuBLAS bf16
 in the interleave (b2b: the same either way). Here the same captured graphs (so the same memory
 addresses) are timed in rounds that alternate: ours only, ours with the anchors replayed between
-them, each anchor alone between them, and a 256 MB write between them (the L2 scrubbed). A
+them, each anchor alone between them, and a 256 MB write / read between them (the L2 scrubbed). A
 difference between contexts is a replay-order effect (state left behind by the other graphs:
-L2 contents, clocks), not an allocation one.
+L2 contents, clocks), not an allocation one. The SM clock is read after each context's replays
+(clock64 over globaltimer); --launches-x scales the launches a graph holds (an excess paid once
+a replay shrinks with it). Results: results/2026-11-26_hop_context_h100.log.
 
   python scripts/dev_hop_context.py --shapes 10240x8192,4096x4096 --m 1,8,16
 """
@@ -67,15 +69,19 @@ class ClockProbe:
 def measure(sd, md, libs, anchors, scrub, clock, L, args) -> dict:
     """{context: (block_fp8_gemm us, fp8_linear us, SM MHz after it)} with graphs of L launches
     each, the neighbour-only graph's time subtracted."""
+    scrub_f, sink = scrub.view(torch.float32), torch.empty((), device="cuda")
     between = None if args.mode == "b2b" else md.neighbour(args.mode)
     graphs = {meth: C.capture_graph(B.make_launch(meth, sd, md, libs), L, between=between)
               for meth in ("fp8linear", "fp8linear_linear", *anchors)}
     if between is not None:
         graphs["_elem"] = C.capture_graph(lambda i: None, L, between=between)
     ours = {g: v for g, v in graphs.items() if g not in anchors}
-    # (a 256 MB write between ours: it leaves the L2 full of dirty lines, not of clean ones)
+    # (a 256 MB write between ours leaves the L2 full of dirty lines; a 256 MB read, of clean
+    # ones, as the anchors' weight reads do)
     flush = C.capture_graph(lambda i: scrub.zero_(), 1)
+    read = C.capture_graph(lambda i: torch.sum(scrub_f, dim=0, out=sink), 1)
     contexts = {"ours": ours, "anchors": graphs, "flush": {**ours, "_flush": flush},
+                "read": {**ours, "_read": read},
                 **{a: {**ours, a: graphs[a]} for a in anchors}}
     got: dict = {ctx: {} for ctx in contexts}
     mhz: dict = {ctx: [] for ctx in contexts}
