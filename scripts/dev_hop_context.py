@@ -49,6 +49,13 @@ def _clock_probe(out_ptr, iters):
     tl.store(out_ptr + 2, x.to(tl.int64))
 
 
+@triton.jit
+def _empty_kernel(out_ptr):
+    """Nothing but a launch (one store by one program, so that it is not compiled away)."""
+    if tl.program_id(0) == 1 << 30:
+        tl.store(out_ptr, 0)
+
+
 class ClockProbe:
     """A graph of one clock-probe launch; read() is the SM clock of its last replay."""
 
@@ -80,6 +87,10 @@ def measure(sd, md, libs, anchors, scrub, clock, L, args) -> dict:
         st = torch.empty(-(-x.shape[1] // 128), -(-x.shape[0] // 4) * 4, device="cuda")
         graphs["_quant"] = C.capture_graph(lambda i: ext.quant(x, q, st, True), L,
                                            between=between)
+        # an empty kernel of the quant kernel's grid (8 groups a 256-thread CTA) in its place
+        ctas, dummy = -(-x.shape[0] * -(-x.shape[1] // 128) // 8), torch.empty(1, device="cuda")
+        graphs["_empty"] = C.capture_graph(lambda i: _empty_kernel[(ctas,)](dummy, num_warps=8),
+                                           L, between=between)
     if between is not None:
         graphs["_elem"] = C.capture_graph(lambda i: None, L, between=between)
     ours = {g: v for g, v in graphs.items() if g not in anchors}
@@ -104,7 +115,8 @@ def measure(sd, md, libs, anchors, scrub, clock, L, args) -> dict:
         us = {g: C.median(v) for g, v in got[ctx].items()}
         e = us.get("_elem", 0.0)
         res[ctx] = (us["fp8linear"] - e, us["fp8linear_linear"] - e, C.median(mhz[ctx]),
-                    us["_quant"] - e if "_quant" in us else float("nan"))
+                    us["_quant"] - e if "_quant" in us else float("nan"),
+                    us["_empty"] - e if "_empty" in us else float("nan"))
     return res
 
 
@@ -116,7 +128,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=4, help="alternations of the two contexts")
     p.add_argument("--replays", type=int, default=10)
     p.add_argument("--quant", action="store_true",
-                   help="also time the quant kernel alone (its graph, with the same neighbour)")
+                   help="also time the quant kernel alone (its graph, with the same neighbour), "
+                        "and an empty kernel of its grid")
     p.add_argument("--launches-x", default="1",
                    help="comma list of multipliers of the launches a graph holds (the benchmark's "
                         "count x each): an excess paid once a replay shrinks as 1 / launches")
@@ -126,7 +139,7 @@ def main() -> int:
     anchors = [a for a in ANCHORS if a not in libs.dropped]
     print(f"anchors {anchors}; dropped {libs.dropped}", flush=True)
     print(f"{'shape':>12} {'M':>3} {'context':>22} {'gemm':>7} {'linear':>7} {'hop':>6} "
-          f"{'SM MHz':>6} {'quant':>6}", flush=True)
+          f"{'SM MHz':>6} {'quant':>6} {'empty':>6}", flush=True)
     hops: dict = {}
     scrub = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     clock = ClockProbe()
@@ -138,10 +151,10 @@ def main() -> int:
             for lx in (int(v) for v in args.launches_x.split(",")):
                 L = lx * max(2, C.launches_for(copies, C.est_us(m, n, k)))
                 got = measure(sd, md, libs, anchors, scrub, clock, L, args)
-                for ctx, (g, lin, mhz, qu) in got.items():
+                for ctx, (g, lin, mhz, qu, em) in got.items():
                     hops.setdefault(f"{ctx} L x{lx}", []).append(lin - g)
                     print(f"{n:>6}x{k:<5} {m:>3} {ctx + ' L x' + str(lx):>22} {g:7.2f} "
-                          f"{lin:7.2f} {lin - g:6.2f} {mhz:6.0f} {qu:6.2f}", flush=True)
+                          f"{lin:7.2f} {lin - g:6.2f} {mhz:6.0f} {qu:6.2f} {em:6.2f}", flush=True)
             del md
         del sd
         torch.cuda.empty_cache()
