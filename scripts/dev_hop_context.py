@@ -74,8 +74,9 @@ class ClockProbe:
 
 
 def measure(sd, md, libs, anchors, scrub, clock, L, args) -> dict:
-    """{context: (block_fp8_gemm us, fp8_linear us, SM MHz after it)} with graphs of L launches
-    each, the neighbour-only graph's time subtracted."""
+    """{context: (block_fp8_gemm us, fp8_linear us, SM MHz after it, quant kernel us, empty kernel
+    us)} with graphs of L launches each, the neighbour-only graph's time subtracted (the last
+    two NaN without --quant)."""
     scrub_f, sink = scrub.view(torch.float32), torch.empty((), device="cuda")
     between = None if args.mode == "b2b" else md.neighbour(args.mode)
     graphs = {meth: C.capture_graph(B.make_launch(meth, sd, md, libs), L, between=between)
@@ -125,7 +126,7 @@ def main() -> int:
     p.add_argument("--shapes", default="10240x8192,8192x8192,4096x4096,2112x7168")
     p.add_argument("--m", default="1,8,16")
     p.add_argument("--mode", default="elem", help="b2b or a neighbour.KINDS kind")
-    p.add_argument("--rounds", type=int, default=4, help="alternations of the two contexts")
+    p.add_argument("--rounds", type=int, default=4, help="rounds over all the contexts")
     p.add_argument("--replays", type=int, default=10)
     p.add_argument("--quant", action="store_true",
                    help="also time the quant kernel alone (its graph, with the same neighbour), "
