@@ -1,0 +1,24 @@
+"""Block-FP8 safetensors checkpoints in the DeepSeek-V3 / Qwen3-FP8 layout.
+
+- ``format``: names, ``quantization_config``, ``tensor_role`` (which tensors are linear
+  weights);
+- ``io``: safetensors headers, the shard index, ``save_fp8_checkpoint`` /
+  ``load_fp8_checkpoint``;
+- ``convert``: ``quantize_checkpoint``, the converter behind ``fp8linear quantize``;
+- ``info``: ``checkpoint_info`` / ``format_checkpoint_info`` for ``fp8linear info``.
+"""
+from .format import (CONFIG_NAME, DEFAULT_MAX_SHARD_BYTES, INDEX_NAME, SCALE_SUFFIX,
+                     SINGLE_NAME, CheckpointError, TensorEntry, quantization_config,
+                     tensor_role)
+from .io import (CheckpointDir, load_fp8_checkpoint, read_safetensors_header,
+                 save_fp8_checkpoint)
+from .convert import QuantizeReport, quantize_checkpoint, validate_quantized_checkpoint
+from .info import checkpoint_info, format_checkpoint_info
+
+__all__ = [
+    "CONFIG_NAME", "DEFAULT_MAX_SHARD_BYTES", "INDEX_NAME", "SCALE_SUFFIX", "SINGLE_NAME",
+    "CheckpointError", "TensorEntry", "quantization_config", "tensor_role", "CheckpointDir",
+    "load_fp8_checkpoint", "read_safetensors_header", "save_fp8_checkpoint", "QuantizeReport",
+    "quantize_checkpoint", "validate_quantized_checkpoint", "checkpoint_info",
+    "format_checkpoint_info",
+]

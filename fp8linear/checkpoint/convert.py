@@ -1,0 +1,201 @@
+"""The converter behind ``fp8linear quantize``: a bf16/fp16/fp32 Hugging Face safetensors
+checkpoint to block FP8, shard by shard, written beside the target and validated before it
+is moved into place."""
+from __future__ import annotations
+
+import fnmatch
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+
+from ..quant import BLOCK, cdiv, quantize_weight
+from .format import (CONFIG_NAME, INDEX_NAME, SCALE_SUFFIX, CheckpointError, _fmt_bytes,
+                     quantization_config, tensor_role)
+from .io import CheckpointDir, _get_tensor, _safe_open, _write_json
+
+
+@dataclass
+class QuantizeReport:
+    out_dir: Path
+    quantized: list = field(default_factory=list)            # tensor names
+    kept: dict = field(default_factory=dict)                 # name -> reason
+    bytes_in: int = 0
+    bytes_out: int = 0
+    files_copied: list = field(default_factory=list)
+
+    def summary(self) -> str:
+        ratio = self.bytes_out / self.bytes_in if self.bytes_in else float("nan")
+        reasons: dict[str, int] = {}
+        for r in self.kept.values():
+            reasons[r] = reasons.get(r, 0) + 1
+        lines = [f"wrote {self.out_dir}",
+                 f"  quantized {len(self.quantized)} linear weights to block FP8 (128x128)",
+                 f"  kept {len(self.kept)} tensors as they were"]
+        lines += [f"    {n:5d} {r}" for r, n in sorted(reasons.items(), key=lambda x: -x[1])]
+        lines.append(f"  tensor bytes {_fmt_bytes(self.bytes_in)} -> "
+                     f"{_fmt_bytes(self.bytes_out)} ({ratio:.1%})")
+        if self.files_copied:
+            lines.append(f"  copied {', '.join(self.files_copied)}")
+        return "\n".join(lines)
+
+
+# weight formats other than safetensors are never copied: they would duplicate the weights
+_NEVER_COPY = ("*.safetensors", INDEX_NAME, CONFIG_NAME, "*.bin", "*.bin.index.json", "*.pt",
+               "*.pth", "*.gguf", "*.ckpt", "*.h5", "*.msgpack")
+
+
+def quantize_checkpoint(in_dir, out_dir, skip: Iterable[str] = (), ue8m0: bool = False,
+                        force: bool = False, progress: bool = True) -> QuantizeReport:
+    """Convert a bf16/fp16/fp32 safetensors checkpoint to block FP8, one shard at a time.
+
+    Each input shard becomes an output shard of the same name (peak memory: one shard and
+    its output). Tensors are chosen by ``tensor_role``. Non-weight files (tokenizer,
+    generation config, custom code) are copied; config.json gains ``quantization_config``.
+    The output is written to a temporary directory beside ``out_dir``, validated
+    (``validate_quantized_checkpoint``), then moved into place. An existing ``out_dir`` is
+    only replaced with ``force``.
+    """
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    src = CheckpointDir(in_dir)
+    in_path, out_path = src.path.resolve(), Path(out_dir).resolve()
+    if out_path == in_path or out_path in in_path.parents:
+        raise CheckpointError(f"output directory {out_path} would overwrite the input "
+                              f"checkpoint {in_path}")
+    if out_path.exists() and not force:
+        raise CheckpointError(f"{out_path} already exists: pass --force (force=True) to "
+                              f"replace it")
+    if out_path.exists() and not out_path.is_dir():
+        raise CheckpointError(f"{out_path} exists and is not a directory")
+    config = src.config()
+    if config.get("quantization_config"):
+        raise CheckpointError(f"{src.path / CONFIG_NAME}: the checkpoint is already quantized "
+                              f"(quantization_config: {config['quantization_config']})")
+    skip = tuple(skip)
+
+    report = QuantizeReport(out_path)
+    plan = {}
+    for name, e in src.entries.items():
+        q, reason = tensor_role(name, e.shape, e.dtype, config, skip)
+        plan[name] = q
+        if q:
+            if name + SCALE_SUFFIX in src.entries:
+                raise CheckpointError(f"{e.file}: tensor '{name}{SCALE_SUFFIX}' already exists")
+            report.quantized.append(name)
+        else:
+            report.kept[name] = reason
+    if not report.quantized:
+        raise CheckpointError(f"{src.path}: found no linear-layer weights to quantize "
+                              f"(kept: {_first_reasons(report.kept)})")
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.tmp-", dir=out_path.parent))
+    try:
+        weight_map = {}
+        bar = tqdm(total=len(src.entries), unit="tensor", desc="quantizing",
+                   disable=not progress)
+        for file, names in src.by_file().items():
+            handle = _safe_open(file)
+            out: dict[str, torch.Tensor] = {}
+            for name in names:
+                t = _get_tensor(handle, file, name)
+                report.bytes_in += t.numel() * t.element_size()
+                if plan[name]:
+                    try:
+                        q, s = quantize_weight(t, ue8m0=ue8m0)
+                    except ValueError as e:
+                        raise CheckpointError(f"{file}: tensor '{name}': {e}") from e
+                    out[name], out[name + SCALE_SUFFIX] = q, s
+                else:
+                    out[name] = t.contiguous()
+                bar.update(1)
+            del handle
+            save_file(out, str(tmp / file.name), metadata={"format": "pt"})
+            report.bytes_out += sum(t.numel() * t.element_size() for t in out.values())
+            weight_map.update({n: file.name for n in out})
+            del out
+        bar.close()
+        _write_json(tmp / INDEX_NAME, {"metadata": {"total_size": report.bytes_out},
+                                       "weight_map": weight_map})
+        ignored = [n[:-len(".weight")] for n, r in report.kept.items()
+                   if r.startswith(("matches --skip", "MoE router"))]
+        config = dict(config, quantization_config=quantization_config(ue8m0, ignored))
+        _write_json(tmp / CONFIG_NAME, config)
+        report.files_copied = _copy_other_files(src.path, tmp, skip={tmp, out_path})
+        validate_quantized_checkpoint(tmp, src)
+        if out_path.exists():
+            shutil.rmtree(out_path)
+        os.replace(tmp, out_path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return report
+
+
+def _first_reasons(kept: dict, n: int = 3) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in list(kept.items())[:n]) or "no tensors"
+
+
+def _copy_other_files(src: Path, dst: Path, skip=()) -> list:
+    """Top-level files and folders of ``src`` except weights, config and hidden entries
+    (.git, caches, our own temporary folder); never ``skip`` (an output inside the input)."""
+    copied = []
+    skip = {Path(p).resolve() for p in skip}
+    for p in sorted(src.iterdir()):
+        if (p.name.startswith(".") or p.resolve() in skip
+                or any(fnmatch.fnmatch(p.name, pat) for pat in _NEVER_COPY)):
+            continue
+        if p.is_dir():
+            shutil.copytree(p, dst / p.name)
+        else:
+            shutil.copy2(p, dst / p.name)
+        copied.append(p.name)
+    return copied
+
+
+def validate_quantized_checkpoint(path, source: Optional[CheckpointDir] = None) -> None:
+    """Re-open every shard and check what a converter wrote: the index lists every tensor
+    in the shard that holds it (CheckpointDir does that), each fp8 weight has an fp32 scale
+    of the block shape whose values are finite, and (given ``source``) every input tensor
+    is there with its shape."""
+    ckpt = CheckpointDir(path)
+    cfg = ckpt.config().get("quantization_config") or {}
+    if cfg.get("quant_method") != "fp8" or list(cfg.get("weight_block_size", [])) != [BLOCK,
+                                                                                      BLOCK]:
+        raise CheckpointError(f"{ckpt.path / CONFIG_NAME}: quantization_config {cfg} is not "
+                              f"fp8 with weight_block_size [128, 128]")
+    for name, e in ckpt.entries.items():
+        if e.dtype == "F8_E4M3":
+            sname = name + SCALE_SUFFIX
+            s = ckpt.entries.get(sname)
+            if len(e.shape) < 2:
+                raise CheckpointError(f"{e.file}: fp8 tensor '{name}' has shape "
+                                      f"{list(e.shape)}; block-FP8 weights are at least 2-D")
+            # [..., N, K] (stacked experts keep their leading dims): a scale per 128x128 block
+            *lead, n, k = e.shape
+            want = (*lead, cdiv(n, BLOCK), cdiv(k, BLOCK))
+            if s is None or s.dtype != "F32" or s.shape != want:
+                raise CheckpointError(f"{e.file}: fp8 tensor '{name}' needs an F32 '{sname}' "
+                                      f"of shape {list(want)}, found "
+                                      + (f"{s.dtype} {list(s.shape)}" if s else "none"))
+    for file, names in ckpt.by_file().items():
+        handle = _safe_open(file)
+        for name in names:
+            if name.endswith(SCALE_SUFFIX):
+                t = _get_tensor(handle, file, name)
+                if not torch.isfinite(t).all():
+                    raise CheckpointError(f"{file}: tensor '{name}' has non-finite scales")
+    if source is not None:
+        for name, e in source.entries.items():
+            got = ckpt.entries.get(name)
+            if got is None or got.shape != e.shape:
+                raise CheckpointError(f"{ckpt.path}: tensor '{name}' of the input "
+                                      f"({list(e.shape)}) is "
+                                      + (f"{list(got.shape)}" if got else "missing"))
+
