@@ -43,7 +43,7 @@ def _demo(args) -> int:
 def _build(args) -> int:
     # imported here: the build system pulls in torch's cpp_extension and needs nvcc
     try:
-        from .kernels.build import BuildError, precompile
+        from .backends.sm90.build import BuildError, precompile
     except ImportError as e:
         print(f"fp8linear build: the kernel build system is not available ({e})",
               file=sys.stderr)

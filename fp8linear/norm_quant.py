@@ -94,7 +94,7 @@ def _impl(x, residual, weight, eps):
     res_out = torch.empty_like(x) if residual is not None else None
     if x.shape[0]:
         if x.device.type == "cuda":
-            from .kernels import triton_norm_quant
+            from .backends.triton import norm_quant as triton_norm_quant
             triton_norm_quant.launch(x, residual, weight, eps, q, scale_t, res_out)
         else:
             y, r = rms_norm_reference(x, residual, weight, eps)

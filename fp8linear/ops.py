@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from .quant import BLOCK, FP8_DTYPE, cdiv
-from .kernels import heuristics
+from .backends import dispatch
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -139,7 +139,7 @@ def _gemm_impl(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale:
                bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(a.shape[0], w.shape[0], dtype=out_dtype, device=a.device)
     if a.shape[0]:  # an empty batch launches nothing
-        heuristics.backend_for(a.device, *_gemm_dims(a, w)).gemm(a, a_scale, w, w_scale, bias,
+        dispatch.backend_for(a.device, *_gemm_dims(a, w)).gemm(a, a_scale, w, w_scale, bias,
                                                                  out)
     return out
 
@@ -174,7 +174,7 @@ def _linear_impl(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                  bias: Optional[torch.Tensor]) -> torch.Tensor:
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
     if x.shape[0]:  # an empty batch launches nothing
-        heuristics.backend_for(x.device, *_gemm_dims(x, w)).linear(x, w, w_scale, bias, out)
+        dispatch.backend_for(x.device, *_gemm_dims(x, w)).linear(x, w, w_scale, bias, out)
     return out
 
 
@@ -218,7 +218,7 @@ def block_fp8_gemm(a_fp8: torch.Tensor, a_scale: torch.Tensor, w_fp8: torch.Tens
     if out.device != w_fp8.device:
         _fail(f"out is on {out.device} but the weight is on {w_fp8.device}")
     if m:
-        heuristics.backend_for(a_fp8.device, *_gemm_dims(a_fp8, w_fp8)).gemm(
+        dispatch.backend_for(a_fp8.device, *_gemm_dims(a_fp8, w_fp8)).gemm(
             a_fp8, a_scale, w_fp8, w_scale, bias, out)
     return out
 

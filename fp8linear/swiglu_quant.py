@@ -35,7 +35,7 @@ def _op_impl(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q, scale_t = _buffers(x[:, :d])
     if x.shape[0]:
         if x.device.type == "cuda":
-            from .kernels import triton_swiglu_quant
+            from .backends.triton import swiglu_quant as triton_swiglu_quant
             triton_swiglu_quant.launch(x, q, scale_t)
         else:
             _quantize_into(silu_mul_reference(x), q, scale_t)

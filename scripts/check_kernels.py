@@ -1,6 +1,5 @@
 #!/usr/bin/env python3
-"""CI kernel guard (no GPU needed): compile every csrc/**/*.cu (and the device probes in
-scripts/*.cu) for sm_90a as the JIT build does.
+"""CI kernel guard (no GPU needed): compile every csrc/**/*.cu for sm_90a as the JIT build does.
 
 Fails (exit 1, naming the TU and kernel) on a compile error, on any local-memory spill
 reported by ``ptxas -v``, on wgmma serialisation (ptxas C7514/C7515/C7517: the compiler fell back
@@ -16,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import importlib.util
 import os
 import re
 import shutil
@@ -29,17 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _load_build():
-    # build.py by path: importing the fp8linear package would pull in every module of it, and
-    # this guard must not fail because an unrelated module is broken.
-    spec = importlib.util.spec_from_file_location("_fp8linear_build",
-                                                  REPO / "fp8linear" / "kernels" / "build.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-build = _load_build()
+from fp8linear.backends.sm90 import build  # noqa: E402
 
 _TORCH_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"](torch|ATen|c10|caffe2|pybind11)/', re.M)
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")
@@ -182,15 +170,12 @@ def report(results: list[Result], csrc: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--csrc", type=Path, default=REPO / "csrc")
-    ap.add_argument("--probes", type=Path, default=None,
-                    help="device probes' .cu files (default: scripts/ with the repo's csrc)")
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args(argv)
     csrc = args.csrc.resolve()
 
     failures = [f"{b}: torch headers belong in bindings.cpp only" for b in torch_includes(csrc)]
-    probes = args.probes or (REPO / "scripts" if csrc == (REPO / "csrc").resolve() else None)
-    tus = sorted(csrc.rglob("*.cu")) + (sorted(probes.resolve().glob("*.cu")) if probes else [])
+    tus = sorted(csrc.rglob("*.cu"))
     if not tus:
         print(f"check_kernels: no .cu translation units under {csrc}; nothing to compile")
         return 1 if failures else 0

@@ -19,8 +19,8 @@ except ImportError:
 def _knobs_read_every_call(monkeypatch):
     # fp8linear reads its FP8LINEAR_* knobs once per process (host time); tests change them
     # with monkeypatch between calls, so they read them afresh every time.
-    from fp8linear.kernels import heuristics
-    monkeypatch.setattr(heuristics, "CACHE_ENV", False)
+    from fp8linear import knobs
+    monkeypatch.setattr(knobs, "CACHE_VALUES", False)
 
 
 def pytest_collection_modifyitems(config, items):

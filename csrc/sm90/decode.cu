@@ -2,14 +2,16 @@
 #include "common/launch.h"
 #include "common/tma.h"
 #include "sm90/api.h"
+#include "sm90/tables.h"
 #include "sm90/decode_kernel.cuh"
 
 namespace fp8l {
 namespace {
 
-// Dynamic shared memory a CTA may use: sm_90's opt-in maximum with one CTA an SM; with two,
-// half of the SM's 228 KB less the 1 KB the system reserves per CTA.
-constexpr int smem_limit(int ctas_per_sm) { return ctas_per_sm == 1 ? 232448 : 115712; }
+// Dynamic shared memory a CTA may use at one or two CTAs an SM (sm90/tables.def)
+constexpr int smem_limit(int ctas_per_sm) {
+  return ctas_per_sm == 1 ? kSmemOneCtaPerSm : kSmemTwoCtasPerSm;
+}
 // 128 KB of weights in flight per CTA (8 stages of 128 rows, 16 of 64) saturates HBM
 constexpr int kMaxWeightBytesInFlight = 8 * kDecodeMaxRows * kBlockK;
 
@@ -190,14 +192,12 @@ std::string launch_decode(const DecodeArgs& d, cudaStream_t stream) {
   const int num_kb = (d.K + kBlockK - 1) / kBlockK;
   if (d.splits < 1 || d.splits > num_kb) return "splits must be in [1, ceil(K/128)]";
   if (d.x_dtype == kInFP32) return "fused quantization takes bf16/fp16 activations";
-  switch (d.config) {
-    case 0: return dispatch_rows<8>(d, stream);
-    case 1: return dispatch_rows<16>(d, stream);
-    case 2: return dispatch_rows<32>(d, stream);
-    case 3: return dispatch_rows<64>(d, stream);
-    case 4: return dispatch_rows<128>(d, stream);
-    default: return "unknown decode config " + std::to_string(d.config);
-  }
+  // decode config i -> its token tile's instantiation (sm90/tables.def lists them)
+  int config = 0;
+#define FP8L_DECODE_TILE(tokens) \
+  if (d.config == config++) return dispatch_rows<tokens>(d, stream);
+#include "sm90/tables.def"
+  return "unknown decode config " + std::to_string(d.config);
 }
 
 }  // namespace fp8l

@@ -2,19 +2,14 @@
 #include "common/launch.h"
 #include "common/tma.h"
 #include "sm90/api.h"
+#include "sm90/tables.h"
 #include "sm90/gemm_kernel.cuh"
 
 namespace fp8l {
 namespace {
 
-// The tile configurations (index = GemmArgs::config); fp8linear/kernels/heuristics.py says
-// when each is used (SM90_GEMM_CONFIGS there mirrors this table). Stages: as many as fit in
-// 227 KB of shared memory next to the epilogue.
-// share_a: a cluster pair shares (multicasts) the activation tile, else the weight tile.
-// queue_next: two math warpgroups with two partial accumulators each (gemm_kernel.cuh
-// kQueueNext), so that K block kb+1's wgmmas are queued before kb's promotion.
-// split_tail: the tiles of a ragged last wave are split along K over the idle SMs
-// (gemm_kernel.cuh kSplitTail; a workspace and tile counters).
+// The tile configurations (index = GemmArgs::config), from sm90/tables.def; the dispatch
+// rules (fp8linear/backends/sm90/plan.py) say when each is used.
 struct Config {
   int bm, bn, stages, cluster;
   bool share_a, queue_next, split_tail;
@@ -23,14 +18,10 @@ struct Config {
   constexpr bool lean() const { return bm == 64 && bn <= 64; }
 };
 constexpr Config kConfigs[] = {
-    {128, 128, 5, 1, false, false, false}, {64, 128, 8, 1, false, false, false},
-    {128, 128, 5, 2, false, false, false}, {128, 192, 4, 1, false, false, false},
-    {256, 128, 3, 1, false, false, false}, {256, 128, 3, 2, true, false, false},
-    {64, 64, 12, 1, false, false, false},  {128, 64, 8, 1, false, false, false},
-    {64, 32, 16, 1, false, false, false},  {64, 16, 16, 1, false, false, false},
-    {128, 96, 6, 1, false, false, false},  {128, 160, 5, 2, false, false, false},
-    {64, 48, 15, 1, false, false, false},  {128, 128, 5, 1, false, true, false},
-    {128, 192, 4, 2, false, false, false}, {128, 192, 4, 1, false, false, true}};
+#define FP8L_GEMM_TILE(bm, bn, stages, cluster, share_a, queue_next, split_tail) \
+  {bm, bn, stages, cluster, share_a, queue_next, split_tail},
+#include "sm90/tables.def"
+};
 
 // A launch of `grid` CTAs in clusters of `cluster` along x (1: a plain launch, no cluster
 // attribute); `attr` (room for one more) must outlive the config.
@@ -72,7 +63,7 @@ template <int BM, int BN, int STAGES, int CLUSTER, bool kShareA, bool kPerRow, b
           bool kQueueNext, bool kSplitTail, typename OutT>
 std::string launch(const GemmArgs& g, cudaStream_t stream) {
   using L = GemmSmem<BM, BN, STAGES, kSplitTail>;
-  static_assert(L::kAlloc <= 232448, "shared memory over the sm_90 limit");
+  static_assert(L::kAlloc <= kSmemOneCtaPerSm, "shared memory over the sm_90 limit");
   const int num_kb = (g.K + kBlockK - 1) / kBlockK;
   CUtensorMap ta, tb, tsa, tc;
   std::string e;

@@ -24,23 +24,19 @@ user set is kept.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from fp8linear.kernels import heuristics
+from fp8linear import knobs
 
 KEY = "triton.enable_pdl"
-ENV = "FP8LINEAR_VLLM_PDL"
 PASS_KEY = "post_grad_custom_post_pass"
-PASS_ENV = "FP8LINEAR_VLLM_FUSE_QUANT"
 
 
 def hopper() -> bool:
     """Whether this process's GEMMs run our sm90 kernels (the ones that start early)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         return False
-    return heuristics.forced_backend() in (None, "sm90")
+    return knobs.get(knobs.BACKEND) in (None, "sm90")
 
 
 def inductor_has_pdl() -> bool:
@@ -55,7 +51,7 @@ def enable_inductor_pdl(vllm_config) -> bool:
     """Turn on ``triton.enable_pdl`` in ``vllm_config``'s Inductor options where it helps;
     returns whether it did. Called while the model is built, before vLLM creates its compile
     backend (which copies these options) and hashes the config for its compile cache."""
-    if vllm_config is None or os.environ.get(ENV, "1") == "0":
+    if vllm_config is None or knobs.get(knobs.VLLM_PDL) == "0":
         return False
     options = vllm_config.compilation_config.inductor_compile_config
     if KEY in options or not hopper() or not inductor_has_pdl():
@@ -68,7 +64,7 @@ def install_quant_fusion_pass(vllm_config) -> bool:
     """Put quant_fusion_pass.QuantFusionPass in ``vllm_config``'s Inductor options (see the module
     docstring); returns whether it did. Called while the model is built, like
     enable_inductor_pdl."""
-    switch = os.environ.get(PASS_ENV)
+    switch = knobs.get(knobs.VLLM_FUSE_QUANT)
     if vllm_config is None or switch == "0":
         return False
     options = vllm_config.compilation_config.inductor_compile_config

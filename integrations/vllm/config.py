@@ -6,6 +6,8 @@ from typing import Any, Optional
 
 import torch
 
+from fp8linear import knobs
+
 from . import compat, compile_config
 from .checkpoint_format import NAME, CheckpointFormat, parse_quantization_config
 from .layer_filter import matches_any
@@ -92,12 +94,12 @@ class Fp8BlockGemmConfig(compat.QuantizationConfig):
                 compat.logger.info(
                     "fp8_blockgemm: Inductor's kernels launch with PDL (%s), so each GEMM "
                     "starts streaming its weights under the kernel before it (%s=0: off)",
-                    compile_config.KEY, compile_config.ENV)
+                    compile_config.KEY, knobs.VLLM_PDL.name)
             if compile_config.install_quant_fusion_pass(vllm_config):
                 compat.logger.info(
                     "fp8_blockgemm: RMSNorms and SiLU-and-muls feeding block-FP8 linears "
                     "quantize their output in the same kernel (a compile pass; %s=0: off)",
-                    compile_config.PASS_ENV)
+                    knobs.VLLM_FUSE_QUANT.name)
         if isinstance(layer, compat.LinearBase):
             if not self.quantizes(prefix):
                 return compat.UnquantizedLinearMethod()

@@ -2,11 +2,10 @@
 ``fp8linear.fp8_linear``."""
 from __future__ import annotations
 
-import os
 
 import torch
 
-from fp8linear import fp8_linear
+from fp8linear import fp8_linear, knobs
 from fp8linear.ops import check_weight, check_weight_scale_values
 from fp8linear.quant import BLOCK, FP8_DTYPE, cdiv
 
@@ -21,7 +20,7 @@ _warmed: set = set()
 
 # Tests set FP8LINEAR_VLLM_COUNT_CALLS=1 to count apply() calls per layer (eager mode only:
 # under torch.compile the Python body runs at trace time).
-COUNT_CALLS = os.environ.get("FP8LINEAR_VLLM_COUNT_CALLS", "0") == "1"
+COUNT_CALLS = knobs.get(knobs.VLLM_COUNT_CALLS) == "1"
 
 
 def warm_up(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:

@@ -9,6 +9,8 @@ import shutil
 import pytest
 import torch
 
+from fp8linear import knobs
+
 from conftest import MISSING
 
 if MISSING is None:
@@ -118,7 +120,7 @@ def test_inductor_pdl_turned_on_for_hopper_only(config_dir, monkeypatch):
     from fp8linear_vllm import compile_config as cc
 
     key = cc.KEY
-    monkeypatch.delenv(cc.ENV, raising=False)
+    monkeypatch.delenv(knobs.VLLM_PDL.name, raising=False)
 
     def fresh():
         return engine_config(config_dir(FP8), "fp8_blockgemm")
@@ -146,7 +148,7 @@ def test_inductor_pdl_turned_on_for_hopper_only(config_dir, monkeypatch):
     assert vc.compilation_config.inductor_compile_config[key] is False
 
     vc = fresh()                                  # the plugin's off switch
-    monkeypatch.setenv(cc.ENV, "0")
+    monkeypatch.setenv(knobs.VLLM_PDL.name, "0")
     assert cc.enable_inductor_pdl(vc) is False
     assert key not in vc.compilation_config.inductor_compile_config
     assert cc.enable_inductor_pdl(None) is False  # outside model construction
@@ -161,7 +163,7 @@ def test_quant_fusion_pass_installed_for_hopper_only(config_dir, monkeypatch):
     from fp8linear_vllm import compile_config as cc
     from fp8linear_vllm.quant_fusion_pass import QuantFusionPass
 
-    monkeypatch.delenv(cc.PASS_ENV, raising=False)
+    monkeypatch.delenv(knobs.VLLM_FUSE_QUANT.name, raising=False)
 
     def fresh():
         return engine_config(config_dir(FP8), "fp8_blockgemm")
@@ -191,12 +193,12 @@ def test_quant_fusion_pass_installed_for_hopper_only(config_dir, monkeypatch):
     assert vc.compilation_config.inductor_compile_config[cc.PASS_KEY] is mine
 
     vc = fresh()                                  # the off switch
-    monkeypatch.setenv(cc.PASS_ENV, "0")
+    monkeypatch.setenv(knobs.VLLM_FUSE_QUANT.name, "0")
     assert cc.install_quant_fusion_pass(vc) is False
     assert cc.PASS_KEY not in vc.compilation_config.inductor_compile_config
 
     vc = fresh()                                  # =1 installs it off Hopper too
     monkeypatch.setattr(cc, "hopper", lambda: False)
-    monkeypatch.setenv(cc.PASS_ENV, "1")
+    monkeypatch.setenv(knobs.VLLM_FUSE_QUANT.name, "1")
     assert cc.install_quant_fusion_pass(vc) is True
     assert isinstance(vc.compilation_config.inductor_compile_config[cc.PASS_KEY], QuantFusionPass)

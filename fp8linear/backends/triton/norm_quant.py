@@ -7,17 +7,17 @@ quantization kernel between the norm and it (a grid-dependency hop of ~1-2 us a 
 
 Numerics: vLLM's native rms_norm / fused_add_rms_norm (fp32 sum of the two inputs, the
 residual rounded to the input dtype, fp32 mean of squares, y = (x * rsqrt(var + eps)) rounded
-to the weight's dtype, times the weight, rounded), then quant_group (triton_quant.py), so the
+to the weight's dtype, times the weight, rounded), then quant_group (quant.py), so the
 fp8 values and scales are exactly quantize_activation(y).
 
 A program normalises CG groups of 128 channels of one row. For few rows a row is spread over
 K / (128 CG) programs, each re-reading the whole row for its sum of squares (a few KB from
 L2): with one program a row the kernel ran longer than the hop it removes (at 16 tokens only
 16 programs). From 32 rows a program takes the whole row, 16 warps for K 4096, and reads it
-once (heuristics.fused_quant_split).
+once (plan.fused_quant_split).
 Launched with PDL where the GPU has it (pdl_acquire / pdl_release): griddepcontrol.wait before
 the first load, launch_dependents after the last, as torch Inductor's kernels do, or
-(EARLY_TRIGGER: the norm below 32 rows, heuristics.fused_quant_early_trigger) right after the
+(EARLY_TRIGGER: the norm below 32 rows, plan.fused_quant_early_trigger) right after the
 wait.
 """
 from __future__ import annotations
@@ -25,10 +25,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..quant import AMAX_EPS, BLOCK, FP8_MAX
-from . import heuristics
-from .triton_gemm import _device_info
-from .triton_quant import _capability, needs_round_first, quant_group
+from ... import knobs
+from ...quant import AMAX_EPS, BLOCK, FP8_MAX
+from .plan import device_info, fused_quant_early_trigger, fused_quant_split
+from .quant import _capability, needs_round_first, quant_group
 
 
 # The PDL protocol of the fused quantization kernels (this one, triton_swiglu_quant.py), in
@@ -97,16 +97,16 @@ def launch_settings(x, groups: int, cap: int, forced=None, pdl=None, warps=None,
                     norm: bool = True):
     """(groups a program, num_warps, pdl, early trigger) of a fused quantization kernel (this
     one, norm; or triton_swiglu_quant.py's) over x's rows of ``groups`` output groups, at most
-    ``cap`` a program (heuristics.fused_quant_split); ``forced`` / ``warps``: a split and
+    ``cap`` a program (plan.fused_quant_split); ``forced`` / ``warps``: a split and
     warp count for benchmarks and tests. pdl: None = where the GPU has it (sm_90+) and
     FP8LINEAR_PDL allows."""
     index = x.device.index or 0
     m = x.shape[0]
     if pdl is None:
-        pdl = _capability(index)[0] >= 9 and heuristics.pdl_enabled()
-    cg, nw = heuristics.fused_quant_split(m, groups, _device_info(x.device.type, index).sms,
+        pdl = _capability(index)[0] >= 9 and knobs.get(knobs.PDL) != "0"
+    cg, nw = fused_quant_split(m, groups, device_info(x.device.type, index).sms,
                                           cap, whole_row=norm)
-    early = pdl and heuristics.fused_quant_early_trigger(m, norm)
+    early = pdl and fused_quant_early_trigger(m, norm)
     return forced or cg, warps or nw, pdl, early
 
 

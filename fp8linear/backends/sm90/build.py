@@ -30,6 +30,8 @@ import time
 import warnings
 from pathlib import Path
 
+from ... import knobs
+
 EXT_NAME = "fp8linear_sm90_C"
 ARCH = "sm_90a"  # wgmma / TMA / setmaxnreg exist only on the arch-specific sm_90a target
 _GENCODE = {"sm_90a": "-gencode=arch=compute_90a,code=sm_90a"}
@@ -39,7 +41,7 @@ _GENCODE = {"sm_90a": "-gencode=arch=compute_90a,code=sm_90a"}
 NVCC_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
 PTXAS_VERBOSE = ["-Xptxas", "-v"]
 CXX_FLAGS = ["-O3"]  # bindings.cpp: torch supplies -std and -fPIC
-SOURCE_SUFFIXES = (".cu", ".cuh", ".cpp", ".h", ".hpp", ".inl")
+SOURCE_SUFFIXES = (".cu", ".cuh", ".cpp", ".h", ".hpp", ".inl", ".def")
 # Bump when the build recipe changes in a way the flags above do not show.
 _RECIPE_VERSION = 1
 _MARKER = "build.json"
@@ -77,7 +79,7 @@ def source_dir() -> Path:
                 return Path(loc)
     except (ImportError, TypeError, ValueError):
         pass
-    repo = Path(__file__).resolve().parents[2] / "csrc"
+    repo = Path(__file__).resolve().parents[3] / "csrc"
     if (repo / "bindings.cpp").is_file():
         return repo
     raise BuildError(f"fp8linear: CUDA sources not found (no fp8linear/csrc package data and no "
@@ -140,7 +142,7 @@ def current_key(arch: str | None = None) -> str:
 
 
 def cache_root() -> Path:
-    env = os.environ.get("FP8LINEAR_CACHE")
+    env = knobs.get(knobs.CACHE)
     return Path(env).expanduser().resolve() if env else Path.home() / ".cache" / "fp8linear"
 
 
@@ -352,7 +354,7 @@ def build(key: str, root: Path, *, arch: str, verbose: bool = False) -> Path:
 def _load_prebuilt(key: str):
     """(module, .so path) from FP8LINEAR_PREBUILT/<key>/, or (None, None) with a warning
     saying why."""
-    env = os.environ.get("FP8LINEAR_PREBUILT")
+    env = knobs.get(knobs.PREBUILT)
     if not env:
         return None, None
     base = Path(env).expanduser().resolve()

@@ -32,14 +32,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant import AMAX_EPS, BLOCK, FP8_MAX, cdiv
-from . import heuristics, triton_quant
-from .triton_quant import quant_group
+from ... import knobs
+from ...quant import AMAX_EPS, BLOCK, FP8_MAX, cdiv
+from . import quant as triton_quant
+from .plan import TritonConfig as Config, choose as choose_config, device_info
+from .quant import quant_group
 
 name = "triton"
 
-MODES = ("native", "weight_only")
-_MODE_ENV = "FP8LINEAR_TRITON_MODE"
+MODES = knobs.TRITON_MODE.choices
 
 # A operand kinds (constexpr A_KIND)
 A_FP8 = 0        # pre-quantized fp8 activations, native fp8 dot
@@ -182,27 +183,11 @@ def _splitk_reduce_kernel(part_ptr, bias_ptr, c_ptr, MN, N, NSPLIT,
 
 
 # ------------------------------------------------------------------------------ plans
-# The tile rules live with the other dispatch rules in heuristics.py.
-from .heuristics import TritonConfig as Config, TritonDevice as _Device, triton_config as choose_config  # noqa: E402,E501
-
-
 class _Plan(NamedTuple):
     cfg: Config
     grid: tuple
     split: int
     kb_per_split: int
-
-
-@functools.lru_cache(maxsize=None)
-def _device_info(dev_type: str, index: int) -> _Device:
-    if dev_type != "cuda":
-        # TRITON_INTERPRET=1 on CPU tensors (tests): plan as for an H100
-        return _Device(132, 227 * 1024, False, (9, 0))
-    p = torch.cuda.get_device_properties(index)
-    smem = getattr(p, "shared_memory_per_block_optin", 0) or 48 * 1024
-    hip = torch.version.hip is not None
-    cap = torch.cuda.get_device_capability(index)
-    return _Device(p.multi_processor_count, smem, hip, cap)
 
 
 @functools.lru_cache(maxsize=None)
@@ -224,13 +209,11 @@ def _has_fp8_dot(index: int) -> bool:
 
 def mode(device: torch.device) -> str:
     """The mode this device runs: FP8LINEAR_TRITON_MODE=native|weight_only, or by capability."""
-    v = heuristics.env(_MODE_ENV)
+    v = knobs.get(knobs.TRITON_MODE)
     if v:
-        if v not in MODES:
-            raise ValueError(f"{_MODE_ENV}={v!r}: expected one of {', '.join(MODES)}")
         if v == "native" and device.type == "cuda" and not _has_fp8_dot(device.index or 0):
             cap = torch.cuda.get_device_capability(device.index or 0)
-            raise ValueError(f"{_MODE_ENV}=native needs fp8 tensor cores (sm_89 or newer); "
+            raise ValueError(f"{knobs.TRITON_MODE.name}=native needs fp8 tensor cores (sm_89 or newer); "
                              f"this GPU is sm_{cap[0]}{cap[1]}: use weight_only")
         return v
     if device.type != "cuda":
@@ -241,7 +224,7 @@ def mode(device: torch.device) -> str:
 @functools.lru_cache(maxsize=16384)
 def _plan(dev_type: str, index: int, m: int, n: int, k: int, a_bytes: int,
           weight_only: bool, forced: Optional[Config] = None) -> _Plan:
-    cfg = forced or choose_config(m, n, k, a_bytes, weight_only, _device_info(dev_type, index))
+    cfg = forced or choose_config(m, n, k, a_bytes, weight_only, device_info(dev_type, index))
     kb = cdiv(k, BLOCK)
     per = cdiv(kb, max(1, min(cfg.split, kb)))
     split = cdiv(kb, per)          # every split gets >= 1 K-block
@@ -252,7 +235,7 @@ def _plan(dev_type: str, index: int, m: int, n: int, k: int, a_bytes: int,
 def _dot_precision(dev_type: str, index: int) -> str:
     # Only matters for fp32 activations in weight-only mode: 3xTF32 on NVIDIA keeps ~fp32
     # accuracy (plain TF32 would truncate x to 10 bits); AMD's fp32 MFMA is exact ("ieee").
-    return "ieee" if _device_info(dev_type, index).hip else "tf32x3"
+    return "ieee" if device_info(dev_type, index).hip else "tf32x3"
 
 
 # --------------------------------------------------------------------------- launches

@@ -6,7 +6,7 @@ rounded to nearest-even float8_e4m3fn. Both divisions are IEEE round-to-nearest
 (``div_rn``): Triton's plain ``/`` may lower to an approximate division on some targets,
 and one ulp of difference in the scale changes the quantized values.
 
-``quant_group`` is shared with the fused small-M GEMM in triton_gemm.py, so the fused and
+``quant_group`` is shared with the fused small-M GEMM in gemm.py, so the fused and
 the standalone paths cannot drift apart numerically.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant import BLOCK, FP8_DTYPE, FP8_MAX, AMAX_EPS, cdiv
+from ...quant import BLOCK, FP8_DTYPE, FP8_MAX, AMAX_EPS, cdiv
 
 
 @triton.jit

@@ -5,12 +5,12 @@ What the vLLM plugin puts in place of the SiLU-and-mul before down_proj
 quantization kernel between the activation and it.
 
 Numerics: vLLM's native SiluAndMul in x's dtype (silu in fp32, x / (1 + exp(-x)) as torch
-computes it, rounded; times the up half, rounded), then quant_group (triton_quant.py), so the
+computes it, rounded; times the up half, rounded), then quant_group (quant.py), so the
 fp8 values and scales are quantize_activation of that product.
 
 A program takes CG groups of 128 output channels of one row (its gate and up halves: 512 bytes
 of input a group): 4 for few rows, so that decode sizes make hundreds of programs, 8 or 16
-for more (heuristics.fused_quant_split). Launched with PDL where the GPU has it, as
+for more (plan.fused_quant_split). Launched with PDL where the GPU has it, as
 triton_norm_quant.py is.
 """
 from __future__ import annotations
@@ -18,9 +18,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..quant import AMAX_EPS, FP8_MAX
-from .triton_norm_quant import launch_settings, pdl_acquire, pdl_release
-from .triton_quant import needs_round_first, quant_group
+from ...quant import AMAX_EPS, FP8_MAX
+from .norm_quant import launch_settings, pdl_acquire, pdl_release
+from .quant import needs_round_first, quant_group
 
 # the most groups a program takes (2048 outputs): the rows make the parallelism beyond that
 MAX_GROUPS_PER_PROGRAM = 16
