@@ -159,22 +159,22 @@ def test_demo_text_through_the_console_script():
 
 
 def test_build_reports_a_missing_build_system(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "fp8linear.kernels.build", None)  # import fails
+    monkeypatch.setitem(sys.modules, "fp8linear.backends.sm90.build", None)  # import fails
     rc, _, err = run(capsys, "build")
     assert rc == 1 and "the kernel build system is not available" in err
 
 
 def test_build_calls_precompile(monkeypatch, capsys):
     calls = []
-    fake = types.ModuleType("fp8linear.kernels.build")
+    fake = types.ModuleType("fp8linear.backends.sm90.build")
     fake.BuildError = RuntimeError
     fake.precompile = lambda: calls.append(1)
-    monkeypatch.setitem(sys.modules, "fp8linear.kernels.build", fake)
+    monkeypatch.setitem(sys.modules, "fp8linear.backends.sm90.build", fake)
     assert run(capsys, "build")[0] == 0 and calls == [1]
 
 
 def test_build_reports_a_build_error_without_a_traceback(monkeypatch, capsys):
-    from fp8linear.kernels import build
+    from fp8linear.backends.sm90 import build
 
     def precompile():
         raise build.ToolkitMissingError("fp8linear: nvcc not found (set CUDA_HOME ...)")
