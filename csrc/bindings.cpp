@@ -162,13 +162,13 @@ at::Tensor tile_counters(const at::Tensor& like, int64_t tiles) {
 // Decode: swap-AB + split-K. x [M,K]: fp8 with x_scale [M, num_kb] (any strides); bf16/fp16
 // quantized inside the kernel (no x_scale, not quant_first); or 16/32-bit quantized by the
 // quant kernel first (quant_first). out [M,N]; workspace_floats: the split reduction's fp32
-// workspace, allocated here (0: none, splits == 1 or cluster_reduce); tiles: output tiles
+// workspace, allocated here (0: none, splits == 1); tiles: output tiles
 // (one reduction counter each).
 void decode(const at::Tensor& x, const c10::optional<at::Tensor>& x_scale, const at::Tensor& w,
             const at::Tensor& w_scale, bool per_row, const c10::optional<at::Tensor>& bias,
             at::Tensor& out, int64_t workspace_floats, int64_t tiles, int64_t config,
             int64_t rows, int64_t splits, int64_t ctas_per_sm, bool pdl, bool early_trigger,
-            bool cluster_reduce, bool quant_first) {
+            bool quant_first) {
   const c10::cuda::CUDAGuard guard(x.device());
   fp8l::DecodeArgs d{};
   Quantized qx;
@@ -212,7 +212,6 @@ void decode(const at::Tensor& x, const c10::optional<at::Tensor>& x_scale, const
   d.ctas_per_sm = int(ctas_per_sm);
   d.pdl = pdl;
   d.early_trigger = early_trigger;
-  d.cluster_reduce = cluster_reduce;
   d.num_sms = num_sms(x.get_device());
   check(fp8l::launch_decode(d, at::cuda::getCurrentCUDAStream()), "decode");
 }

@@ -20,7 +20,7 @@ struct GemmArgs {
   void* out;              // [M, N] bf16/fp16
   int out_dtype;
   int M, N, K;
-  int config;             // tile configuration, chosen by fp8linear/kernels/heuristics.py
+  int config;             // tile configuration, chosen by fp8linear/backends/sm90/plan.py
   int num_sms;
   bool pdl;               // programmatic dependent launch (prologue overlaps the previous kernel)
   int early_b;            // (pdl) first weight stages requested before waiting for the previous kernel
@@ -57,7 +57,7 @@ struct DecodeArgs {
   bool bias_f32;
   void* out;              // [M, N]
   int out_dtype;
-  float* workspace;       // fp32 [splits * tiles * BT * (64 or 128)] when splits > 1, not cluster
+  float* workspace;       // fp32 [splits * tiles * BT * (64 or 128)] when splits > 1
   int* counters;          // int32 [tiles], zero; the kernel leaves them zero again
   int M, N, K;
   int config;             // token tile BT = 8 << config (8..128)
@@ -68,8 +68,6 @@ struct DecodeArgs {
                           // so the next kernel's CTAs fit beside ours under PDL
   bool pdl;               // programmatic dependent launch
   bool early_trigger;     // (pdl) the next kernel may launch as soon as ours has started
-  bool cluster_reduce;    // 2..8 splits of a tile as one cluster, reduced in distributed
-                          // shared memory (no workspace, no counters)
   int num_sms;            // of the device (whether the grid fits in one wave)
 };
 std::string launch_decode(const DecodeArgs& args, cudaStream_t stream);

@@ -94,11 +94,6 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
     return "decode config does not fit in shared memory (token tile " + std::to_string(BT) +
            ", " + std::to_string(kbs) + " K blocks per split): use more splits";
   const int smem = layout.total + 1024;
-  if (d.cluster_reduce) {
-    if (d.splits < 2 || d.splits > 8) return "a cluster reduction takes 2..8 splits";
-    if (BT * kRows * 4 > stages * layout.stage)
-      return "the partial tile does not fit in the ring for a cluster reduction";
-  }
   // 64 rows: the warpgroups' exchange, BT / 2 floats a thread, passes through the ring
   if (kRows == 64 && BT * 128 * 2 > stages * layout.stage)
     return "the warpgroups' partials do not fit in the ring (64 rows)";
@@ -123,7 +118,7 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
   DecodeParams p{d.x,         d.x_dtype,  d.x_scale, d.xs_stride_m, d.xs_stride_kb,
                  d.w_scale,   d.bias,     d.bias_f32, d.out,     d.workspace,   d.counters,
                  d.M,         d.N,        d.K,       num_kb,        d.splits,
-                 stages,      d.cluster_reduce ? 1 : 0, d.pdl && d.early_trigger ? 1 : 0,
+                 stages,      d.pdl && d.early_trigger ? 1 : 0,
                  row_step,
                  kRelay ? relay_stages(stages) : window_stages(kRows, kCtasPerSM, stages),
                  first_stages(kRows, d.splits, kbs, grid.x * grid.y, kCtasPerSM * d.num_sms)};
@@ -132,15 +127,9 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
   cfg.blockDim = dim3(384);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
+  cudaLaunchAttribute attr[1];
   int n_attr = 0;
   if (d.pdl) attr[n_attr++] = pdl_attribute();
-  if (d.cluster_reduce) {  // the splits of a tile (grid z) as one cluster
-    attr[n_attr].id = cudaLaunchAttributeClusterDimension;
-    attr[n_attr].val.clusterDim.x = 1;
-    attr[n_attr].val.clusterDim.y = 1;
-    attr[n_attr++].val.clusterDim.z = d.splits;
-  }
   cfg.attrs = attr;
   cfg.numAttrs = n_attr;
   err = cudaLaunchKernelEx(&cfg, kernel, tw, tx, p);
@@ -162,7 +151,7 @@ std::string dispatch_ctas(const DecodeArgs& d, cudaStream_t stream) {
   if constexpr (BT <= 32) {
     if (d.ctas_per_sm == 2) {
       if constexpr (R == 64) {
-        if (relay_plan(R, 2, d.splits) && !d.cluster_reduce)
+        if (relay_plan(R, 2, d.splits))
           return dispatch_types<BT, R, 2, false, true>(d, stream);
       }
       return dispatch_types<BT, R, 2>(d, stream);

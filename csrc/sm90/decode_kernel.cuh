@@ -14,12 +14,8 @@
 //                    resident shared-memory tile per K block, all 8 warps at once while the
 //                    weight ring fills; then per K block: 4 wgmmas, promotion with weight-row
 //                    x token scales.
-// Reduction over splits is deterministic, in split order, one of two ways:
-//  - cluster: the splits of a tile (<= 8) form one cluster; each leaves its fp32 partial in
-//    its own shared memory and every CTA sums a slice of the tile over the cluster's shared
-//    memory (DSMEM): two cluster barriers, no global round trips;
-//  - workspace: every split writes its partial to an fp32 workspace; the last CTA to arrive
-//    at the tile's counter sums them.
+// Reduction over splits is deterministic, in split order: every split writes its partial to
+// an fp32 workspace; the last CTA to arrive at the tile's counter sums them.
 #pragma once
 #include <cstdint>
 #include <cuda.h>
@@ -69,10 +65,9 @@ struct DecodeParams {
   float* workspace;
   int* counters;
   int M, N, K, num_kb, splits, stages;
-  int cluster_reduce;    // the splits of a tile are one cluster (along z): reduce in DSMEM
   int early_trigger;     // PDL: let the next kernel launch at our start, not after the prologue
   int row_step;          // kRowStep: the weight rows a CTA owns, 72..120 (a multiple of 8), so
-                         // that N / row_step CTAs fill the SMs (heuristics.py: _decode_rows)
+                         // that N / row_step CTAs fill the SMs (backends/sm90/plan.py: _decode_rows)
   int window;            // weight stages in flight at most (0: the whole ring; kRelay: 1 ..
                          // stages - 1; decode.cu)
   int first_stages;      // weight stages requested before the activations at most (0: the ring)
@@ -208,10 +203,6 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
                       m0, keep);
         }
       }
-    }
-    if (p.cluster_reduce) {  // every thread of the cluster takes part in its barriers
-      cluster_sync();
-      cluster_sync();
     }
     return;
   }
@@ -457,35 +448,6 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
         dst[(8 * j + cq + (e & 1)) * kRows + wrow + r0 + (e >= 2 ? 8 : 0)] = acc[4 * j + e];
     }
   };
-  if (p.cluster_reduce) {
-    // Both warpgroups' wgmmas have read their last stage (and, 64 rows, the exchange above is
-    // done): the ring holds the partial tile [BT tokens][kRows] (the host checks that it fits).
-    named_barrier(1, 256);
-    float* mine = reinterpret_cast<float*>(smem);
-    write_partial(mine);
-    cluster_sync();  // release / acquire: every split's partial is visible to the cluster
-    // CTA `split` (its rank: the cluster spans z) sums its slice over the splits in order
-    constexpr int kMaxSplits = 8;
-    const int per = (kTile4 + p.splits - 1) / p.splits;
-    const int hi = min(kTile4, (split + 1) * per);
-    const uint32_t base = smem_u32(mine);
-    for (int e4 = split * per + tid; e4 < hi; e4 += 256) {
-      float4 v[kMaxSplits];
-#pragma unroll
-      for (int s = 0; s < kMaxSplits; ++s)
-        if (s < p.splits) v[s] = ld_cluster_f4(base + e4 * 16, s);
-      float4 sum = v[0];
-#pragma unroll
-      for (int s = 1; s < kMaxSplits; ++s) {
-        if (s < p.splits) {
-          sum.x += v[s].x; sum.y += v[s].y; sum.z += v[s].z; sum.w += v[s].w;
-        }
-      }
-      store4(e4, sum);
-    }
-    cluster_sync();  // every CTA keeps its shared memory until the whole cluster has read it
-    return;
-  }
   const int tiles = gridDim.x * gridDim.y;
   const int tile = blockIdx.y * gridDim.x + blockIdx.x;
   write_partial(p.workspace + (size_t(split) * tiles + tile) * BT * kRows);

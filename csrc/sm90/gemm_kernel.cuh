@@ -112,7 +112,7 @@ __device__ __forceinline__ int tile_row0(int mb, int M) {
 }
 
 // Tile order: bands of group_m M-blocks, N-blocks inside, so that CTAs running at the same
-// time share A rows and B columns in L2 (heuristics.sm90_gemm_group_m picks the band).
+// time share A rows and B columns in L2 (backends/sm90/launch.py: gemm_group_m picks the band).
 __device__ __forceinline__ void tile_coords(int t, int num_m, int num_n, int group_m, int& mb,
                                             int& nb) {
   const int per_group = group_m * num_n;
@@ -448,7 +448,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
     // +2.3% geomean back to back (up to 8%: 2112x7168 x 512 16.9 -> 15.6 us), +2.2% for
     // fp8_linear after an elementwise kernel; one partial with BM = 64 was 2-4% slower
     // (results/2026-11-24_gemm_single_partial_ab_h100.log). Except over short K loops at
-    // 512-1024 tokens (kQueueNext, config 13: heuristics.py says where). Per-row B scales keep
+    // 512-1024 tokens (kQueueNext, config 13: backends/sm90/plan.py says where). Per-row B scales keep
     // one (their promotion needs the registers: ptxas spills otherwise); BN = 192 and two
     // waves (BM = 256) have two warpgroups anyway.
     constexpr bool kTwoPartials = (kMathWG == 1 || kQueueNext) && 3 * kRegs <= 192 && !kPerRowB;

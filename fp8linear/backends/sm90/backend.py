@@ -63,7 +63,7 @@ def _decode(x, x_scale, w, w_scale, bias, out, lp: Launch, quant_first: bool = F
     p = lp.plan
     build.load().decode(x, x_scale, w, w_scale, has_row_scales(w_scale, out.shape[1]),
                         _bias(bias, out), out, lp.ws_floats, lp.tiles, p.config, p.rows,
-                        p.splits, p.ctas_per_sm, lp.pdl, lp.early, False, quant_first)
+                        p.splits, p.ctas_per_sm, lp.pdl, lp.early, quant_first)
 
 
 def _gemm(a, a_scale_t, w, w_scale, bias, out, lp: Launch):
