@@ -72,11 +72,8 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for _p in (HERE, ROOT):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
 
-import common as C  # noqa: E402
+import common as C  # noqa: E402  (benchmarks/common.py, beside this script)
 
 T_START = time.time()
 DEV = "cuda"   # "cpu" only for --cpu-dry-run (the plumbing, with the torch reference backend)
@@ -150,13 +147,13 @@ def parse_args(argv=None):
 # ------------------------------------------------------------------------- method setup
 @contextlib.contextmanager
 def env(name, value):
-    from fp8linear.kernels import heuristics
+    from fp8linear import knobs
     old = os.environ.get(name)
     if value is None:
         os.environ.pop(name, None)
     else:
         os.environ[name] = value
-    heuristics.reload_env()  # fp8linear reads its knobs once per process otherwise
+    knobs.reload()  # fp8linear reads its knobs once per process otherwise
     try:
         yield
     finally:
@@ -164,7 +161,7 @@ def env(name, value):
             os.environ.pop(name, None)
         else:
             os.environ[name] = old
-        heuristics.reload_env()
+        knobs.reload()
 
 
 def method_env(method):
@@ -190,7 +187,7 @@ class Libs:
             self.versions["fp8linear"] = getattr(fp8linear, "__version__", "?")
         if "fp8linear_triton" in want:
             try:
-                importlib.import_module("fp8linear.kernels.triton_gemm")
+                importlib.import_module("fp8linear.backends.triton.gemm")
             except Exception as e:
                 self.dropped["fp8linear_triton"] = f"triton backend not importable: {e!r}"
         if "deepgemm" in want:
@@ -476,18 +473,19 @@ def backend_name(method, m, n, k):
     if not method.startswith("fp8linear"):
         return None
     import torch
-    from fp8linear.kernels import heuristics
+    from fp8linear.backends import dispatch
     with method_env(method):
         try:
-            mod = heuristics.backend_for(torch.device(DEV), m, n, k)
+            mod = dispatch.backend_for(torch.device(DEV), m, n, k)
         except Exception as e:
             return f"error: {e}"
     name = getattr(mod, "name", mod.__name__)
-    if name == "sm90" and DEV == "cuda" and hasattr(heuristics, "sm90_plan"):
+    if name == "sm90" and DEV == "cuda":
+        from fp8linear.backends.sm90 import plan as sm90_plan
         try:
             sms = torch.cuda.get_device_properties(0).multi_processor_count
             # (fp8_linear's GEMM runs behind the quant kernel: its plan knows)
-            plan = heuristics.sm90_plan(m, n, k, sms, after_quant=method == "fp8linear_linear")
+            plan = sm90_plan.choose(m, n, k, sms, after_quant=method == "fp8linear_linear")
             return f"sm90 {plan}"
         except Exception:
             pass

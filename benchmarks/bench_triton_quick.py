@@ -26,12 +26,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-import fp8linear  # noqa: E402
-from fp8linear.kernels import heuristics, triton_gemm as tg  # noqa: E402
+import fp8linear
+from fp8linear import knobs
+from fp8linear.backends.triton import gemm as tg
 
 SHAPES = [(4096, 4096), (28672, 4096), (4096, 14336), (2112, 7168)]
 MS = [1, 16, 128, 4096]
@@ -102,14 +101,14 @@ def bench_shape(m, n, k, replays, dev, sweep=False):
     row["triton_linear"] = _graph_time_us(
         lambda i: tg.linear(x, weights[i][0], weights[i][1], None, out), fp8_copies, replays)
     os.environ["FP8LINEAR_TRITON_MODE"] = "weight_only"
-    heuristics.reload_env()  # fp8linear reads its knobs once per process otherwise
+    knobs.reload()  # fp8linear reads its knobs once per process otherwise
     try:
         row["weight_only"] = _graph_time_us(
             lambda i: tg.linear(x, weights[i][0], weights[i][1], None, out), fp8_copies,
             replays)
     finally:
         os.environ.pop("FP8LINEAR_TRITON_MODE", None)
-        heuristics.reload_env()
+        knobs.reload()
     wb = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(bf16_copies)]
     row["bf16"] = _graph_time_us(lambda i: torch.matmul(x, wb[i].t(), out=out), bf16_copies,
                                  replays)

@@ -44,11 +44,8 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for _p in (HERE, ROOT):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
 
-import common as C  # noqa: E402
+import common as C  # noqa: E402  (benchmarks/common.py, beside this script)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -145,7 +142,7 @@ def pick_quant(device):
     import fp8linear
     if device.type == "cuda":
         try:
-            from fp8linear.kernels import triton_quant
+            from fp8linear.backends.triton import quant as triton_quant
             return triton_quant.quantize_activation, "fp8linear Triton quant kernel (1 launch)"
         except Exception as e:  # noqa: BLE001
             log(f"scaled_mm: Triton quant unavailable ({type(e).__name__}: {e}); torch ops")

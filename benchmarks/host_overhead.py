@@ -25,11 +25,8 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import fp8linear  # noqa: E402
-from fp8linear.kernels import build, heuristics, sm90  # noqa: E402
+import fp8linear
+from fp8linear.backends.sm90 import backend as sm90, build, launch
 
 
 def host_us(fn, calls: int, loops: int = 20) -> float:
@@ -54,9 +51,8 @@ def layers(m: int, n: int, k: int):
     w, ws = mod.weight, mod.weight_scale_inv
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = heuristics.sm90_plan(m, n, k, sms)
-    fused = heuristics.sm90_fuse_quant(m, k, plan)
+    lp = launch.decide(m, n, k, x.dtype, 0, True)  # the dispatcher's own decision, once
+    plan, fused = lp.plan, lp.fused
     rows = [
         ("FP8Linear.forward", lambda: mod(x)),
         ("fp8linear.fp8_linear", lambda: fp8linear.fp8_linear(x, w, ws)),
@@ -64,14 +60,11 @@ def layers(m: int, n: int, k: int):
         ("sm90.linear (no checks, fresh out)", lambda: sm90.linear(
             x, w, ws, None, torch.empty(m, n, device=dev, dtype=torch.bfloat16))),
     ]
-    if plan[0] == "decode" and fused:
+    if plan.kind == "decode" and fused:
         ext = build.load()
-        # the dispatcher's own launch decision (workspace, cluster, PDL trigger), once
-        lp = sm90._launch(m, n, k, x.dtype, 0, True)
-        _, config, splits, ctas, rows_ = lp.plan
         rows.append(("extension decode() alone", lambda: ext.decode(
-            x, None, w, ws, False, None, out, lp.ws_floats, lp.tiles, config, rows_, splits,
-            ctas, lp.pdl, lp.early, lp.cluster, False)))
+            x, None, w, ws, False, None, out, lp.ws_floats, lp.tiles, plan.config, plan.rows,
+            plan.splits, plan.ctas_per_sm, lp.pdl, lp.early, False)))
     rows += [
         ("ref: bf16 nn.Linear", lambda: lin(x)),
         ("ref: torch.empty", lambda: torch.empty(m, n, device=dev, dtype=torch.bfloat16)),

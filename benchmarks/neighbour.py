@@ -64,12 +64,12 @@ def make(kind: str, x, gamma, out):
         return lambda: torch.mul(x, gamma, out=out)
     if kind in ("fused_norm", "fused_silu"):
         import torch
-        from fp8linear.kernels import triton_norm_quant
+        from fp8linear.backends.triton import norm_quant as triton_norm_quant
         from fp8linear.norm_quant import _buffers   # (the ops' fp8 and scale_t outputs)
         m, k = x.shape
         q, scale_t = _buffers(x)                     # (allocated once: the launches reuse them)
         if kind == "fused_silu":
-            from fp8linear.kernels import triton_swiglu_quant
+            from fp8linear.backends.triton import swiglu_quant as triton_swiglu_quant
             x2 = torch.randn(m, 2 * k, device=x.device).to(x.dtype)
             return lambda: triton_swiglu_quant.launch(x2, q, scale_t)
         res = torch.randn_like(x)

@@ -17,10 +17,8 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
 
-import common as C  # noqa: E402
+import common as C  # noqa: E402  (benchmarks/common.py, beside this script)
 
 STYLE = {
     "fp8linear": ("tab:red", "o"), "fp8linear_linear": ("tab:orange", "s"),

@@ -4,7 +4,7 @@
 #
 # The device runs Python 3.12 + torch 2.11.0+cu130; the extension is built against exactly
 # those (a python3.12 venv with the same torch wheel from PyPI), under the cache key that
-# fp8linear.kernels.build computes there (one key function: build.cache_key), into
+# fp8linear.backends.sm90.build computes there (one key function: build.cache_key), into
 #   <out>/<key>/fp8linear_sm90_C.so   (default <repo>/.prebuilt, git-ignored)
 # On the device: carry [".prebuilt"] and set FP8LINEAR_PREBUILT=.prebuilt; build.load() then
 # imports it with no compiler (and compiles itself, with a warning, if the key differs).
@@ -14,12 +14,7 @@
 #                  the repo so it can never be carried by accident)
 #   MAX_JOBS       parallel compile jobs (default: all cores)
 #   VERBOSE=1      stream the ninja/nvcc/ptxas output
-#   DEV_NAMESPACE  build a variant for scripts/dev_variants.py (FP8LINEAR_DEV_SO): e.g. fp8l_b
-#                  renames the C++ namespace fp8l to fp8l_b and the extension module to
-#                  fp8linear_sm90_C_b. A second build loaded into a process under the same
-#                  module name is not loaded at all (Python returns the first module: found
-#                  2026-11-24 with a variant that doubled its outputs, which came out right), so
-#                  dev_variants refuses variants under the default name.
+
 set -euo pipefail
 
 TORCH_VERSION=2.11.0
@@ -107,31 +102,12 @@ main() {
   # One key only: older builds would bloat what the device call carries (64 MiB cap).
   rm -rf "$OUT"
   mkdir -p "$OUT"
-  # build.py loaded by path (no PYTHONPATH): the venv needs nothing of fp8linear but it, and
-  # the sources it finds are this checkout's csrc/, as on the device (or, for a variant, a
-  # copy of them with the namespace renamed).
-  local src="$REPO"
-  if [ -n "${DEV_NAMESPACE:-}" ]; then
-    [[ "$DEV_NAMESPACE" =~ ^fp8l_[A-Za-z0-9_]+$ ]] || die "DEV_NAMESPACE must look like fp8l_b"
-    src="$(mktemp -d)"
-    VARIANT_SRC="$src"
-    trap 'rm -rf "$VARIANT_SRC"' EXIT  # the renamed copy is only needed for this build
-    mkdir -p "$src/fp8linear/kernels"
-    cp -r "$REPO/csrc" "$src/"
-    cp "$REPO/fp8linear/kernels/build.py" "$src/fp8linear/kernels/"
-    grep -rlw fp8l "$src/csrc" | xargs sed -i "s/\bfp8l\b/$DEV_NAMESPACE/g"
-    sed -i "s/^EXT_NAME = \"fp8linear_sm90_C\"/EXT_NAME = \"fp8linear_sm90_C_${DEV_NAMESPACE#fp8l_}\"/" \
-      "$src/fp8linear/kernels/build.py"
-    grep -q "^EXT_NAME = \"fp8linear_sm90_C_" "$src/fp8linear/kernels/build.py" || die "EXT_NAME not renamed"
-    say "variant: namespace fp8l -> $DEV_NAMESPACE, module fp8linear_sm90_C_${DEV_NAMESPACE#fp8l_}"
-  fi
-  FP8LINEAR_CACHE="$OUT" "$PY" -W ignore - "$src" "$ARCH" "${VERBOSE:-0}" <<'EOF'
-import importlib.util, sys
-spec = importlib.util.spec_from_file_location(
-    "fp8linear_build", f"{sys.argv[1]}/fp8linear/kernels/build.py")
-build = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(build)
-so = build.precompile(verbose=sys.argv[3] == "1", arch=sys.argv[2])
+  # this checkout's fp8linear on the path: its build module, and the sources it finds are this
+  # checkout's csrc/, as on the device
+  FP8LINEAR_CACHE="$OUT" PYTHONPATH="$REPO" "$PY" -W ignore - "$ARCH" "${VERBOSE:-0}" <<'EOF'
+import sys
+from fp8linear.backends.sm90 import build
+so = build.precompile(verbose=sys.argv[2] == "1", arch=sys.argv[1])
 mod = build._import(so)  # links against torch 2.11's libs here, as it will on the device
 print(f"prebuild: imports fine: {sorted(n for n in dir(mod) if not n.startswith('_'))}",
       file=sys.stderr)
