@@ -7,8 +7,12 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from .ops import check_weight, check_weight_scale_values, fp8_linear
-from .quant import BLOCK, FP8_DTYPE, cdiv, check_block_size, dequantize_weight, quantize_weight
+from .ops import check_weight, fp8_linear
+from .quant import (BLOCK, FP8_DTYPE, cdiv, check_block_size, check_scale_values,
+                    dequantize_weight, quantize_weight, weight_scale_shapes)
+
+# scale dtypes a checkpoint may hold (Qwen3-FP8 ships bf16/fp16 ones): all convert to fp32 exactly
+SCALE_LOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class FP8Linear(nn.Module):
@@ -75,10 +79,11 @@ class FP8Linear(nn.Module):
         return dequantize_weight(self.weight, self.weight_scale_inv, dtype)
 
     def validate(self, name: str = "") -> None:
-        """Shape/dtype checks plus the one data check (finite scales). Runs at load time."""
+        """Shape/dtype checks plus the one data check (finite, positive scales). Runs at load
+        time, never per forward call."""
         prefix = f"{name}." if name else ""
         check_weight(self.weight, self.weight_scale_inv, name=f"{prefix}weight")
-        check_weight_scale_values(self.weight_scale_inv, f"{prefix}weight_scale_inv")
+        check_scale_values(self.weight_scale_inv, f"{prefix}weight_scale_inv")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -86,38 +91,62 @@ class FP8Linear(nn.Module):
                 f"block={self.block_size}x{self.block_size}")
 
     def _check_loaded(self, state_dict, prefix, *args):
-        # Clear messages for the common mistakes, before torch's generic copy errors.
+        # Everything this layer will take from state_dict is checked before any of it is
+        # copied, so a failed load leaves the layer exactly as it was.
         self._load_name = prefix[:-1]  # for the post-load check's messages ("layers.0.mlp")
-        key = prefix + "weight"
-        if key in state_dict and state_dict[key].dtype != FP8_DTYPE:
-            raise ValueError(f"{key}: expected float8_e4m3fn, got {state_dict[key].dtype} "
-                             f"(quantize it first: FP8Linear.from_linear / quantize_weight)")
-        skey = prefix + "weight_scale_inv"
-        want = tuple(self.weight_scale_inv.shape)
-        if skey in state_dict and tuple(state_dict[skey].shape) != want:
-            got = tuple(state_dict[skey].shape)
-            if got == (self.out_features, want[1]):
-                # per-row scales (tensor-parallel shards not aligned to 128): accepted as is
-                self.weight_scale_inv.data = torch.empty(
-                    got, dtype=torch.float32, device=self.weight_scale_inv.device)
-            else:
-                raise ValueError(f"{skey}: expected shape {want} (128x128 blocks) or "
-                                 f"{(self.out_features, want[1])} (per row), got {got}")
+        n, k = self.out_features, self.in_features
+        key, skey, bkey = prefix + "weight", prefix + "weight_scale_inv", prefix + "bias"
+        w = state_dict.get(key)
+        if w is not None:
+            if w.dtype != FP8_DTYPE:
+                raise ValueError(f"{key}: expected float8_e4m3fn, got {w.dtype} (quantize it "
+                                 f"first: FP8Linear.from_linear / quantize_weight)")
+            if tuple(w.shape) != (n, k):
+                raise ValueError(f"{key}: expected shape {(n, k)}, got {tuple(w.shape)}")
+        s = state_dict.get(skey)
+        if s is not None:
+            blocks, rows = weight_scale_shapes(n, k)
+            if tuple(s.shape) not in (blocks, rows):
+                raise ValueError(f"{skey}: expected shape {blocks} (128x128 blocks) or "
+                                 f"{rows} (per row), got {tuple(s.shape)}")
+            if s.dtype not in SCALE_LOAD_DTYPES:
+                raise ValueError(f"{skey}: expected float32 (or bfloat16/float16), got "
+                                 f"{s.dtype}")
+            check_scale_values(s, skey)
+        b = state_dict.get(bkey)
+        if b is not None and self.bias is not None and tuple(b.shape) != (n,):
+            raise ValueError(f"{bkey}: expected shape {(n,)}, got {tuple(b.shape)}")
+        if s is not None and tuple(s.shape) != tuple(self.weight_scale_inv.shape):
+            # block <-> per-row scales (tensor-parallel shards not aligned to 128): take the
+            # incoming layout; torch copies the values next
+            self.weight_scale_inv.data = torch.empty(
+                tuple(s.shape), dtype=torch.float32, device=self.weight_scale_inv.device)
 
 
 def _validate_after_load(module: FP8Linear, incompatible_keys) -> None:
-    module.validate(getattr(module, "_load_name", ""))
+    # metadata only: the values were checked before the copy (_check_loaded)
+    name = getattr(module, "_load_name", "")
+    check_weight(module.weight, module.weight_scale_inv,
+                 name=f"{name}.weight" if name else "weight")
 
 
-def quantize_model(model: nn.Module, skip: Iterable[str] = ("lm_head",), ue8m0: bool = False,
-                   min_features: int = 0) -> nn.Module:
-    """Replace every nn.Linear in ``model`` (in place) by an FP8Linear.
+def quantize_model(model: nn.Module, skip: Iterable[str] | str = ("lm_head",),
+                   ue8m0: bool = False, min_features: int = 0) -> nn.Module:
+    """Replace every nn.Linear inside ``model`` (in place) by an FP8Linear; returns ``model``.
 
     ``skip``: fnmatch patterns or plain substrings of module names left in high precision
-    (default: the lm_head, whose logits are the most precision-sensitive layer).
-    ``min_features``: layers with in or out features below this stay unquantized.
+    (default: the lm_head, whose logits are the most precision-sensitive layer); a string is
+    one pattern. ``min_features``: layers with in or out features below this stay
+    unquantized. Layers on the meta device become empty FP8Linear layers on the meta device,
+    to be filled by ``load_fp8_checkpoint``. ``model`` itself cannot be an nn.Linear (it
+    cannot be replaced in place): use ``FP8Linear.from_linear`` for a single layer.
     """
-    skip = tuple(skip)
+    if isinstance(model, nn.Linear):
+        raise TypeError("quantize_model(nn.Linear) cannot replace the layer in place: use "
+                        "FP8Linear.from_linear(linear) for a single layer")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"quantize_model expects an nn.Module, got {type(model).__name__}")
+    skip = (skip,) if isinstance(skip, str) else tuple(skip)
 
     def skipped(name: str) -> bool:
         return any(p in name or fnmatch.fnmatch(name, p) for p in skip)
@@ -128,7 +157,12 @@ def quantize_model(model: nn.Module, skip: Iterable[str] = ("lm_head",), ue8m0: 
     for name, lin in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, FP8Linear.from_linear(lin, ue8m0=ue8m0))
+        if lin.weight.device.type == "meta":  # nothing to quantize: the shapes only
+            new = FP8Linear(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                            device="meta", dtype=lin.weight.dtype)
+        else:
+            new = FP8Linear.from_linear(lin, ue8m0=ue8m0)
+        setattr(parent, attr, new)
     return model
 
 

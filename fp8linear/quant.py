@@ -107,8 +107,51 @@ def expand_weight_scale(w_scale: torch.Tensor, n: int) -> torch.Tensor:
     return w_scale.repeat_interleave(BLOCK, dim=0)[:n]
 
 
-def dequantize_weight(w_fp8: torch.Tensor, scale_inv: torch.Tensor, dtype=torch.float32):
-    """float8 [N, K] x scale (block [ceil(N/128), Kb] or per-row [N, Kb]) -> dtype [N, K]."""
+def weight_scale_shapes(n: int, k: int) -> tuple[tuple, tuple]:
+    """The two accepted scale shapes of an [N, K] weight: (128x128 blocks, per row)."""
+    kb = cdiv(k, BLOCK)
+    return (cdiv(n, BLOCK), kb), (n, kb)
+
+
+def check_weight_scale_shape(w_shape, s_shape, name: str = "weight") -> None:
+    """Metadata only: ``name``'s scale must have exactly one of the two shapes."""
+    n, k = w_shape
+    blocks, rows = weight_scale_shapes(n, k)
+    if tuple(s_shape) not in (blocks, rows):
+        raise ValueError(f"{name}_scale_inv has shape {tuple(s_shape)} but {name} is "
+                         f"[{n}, {k}]: expected {blocks} for 128x128 blocks or {rows} per row")
+
+
+def check_scale_values(scale: torch.Tensor, name: str = "weight_scale_inv") -> None:
+    """Scales must be finite and positive (a dequant multiplier of 0 or below is corrupt).
+
+    Reads the data (one host sync): run once when weights load, never per call.
+    """
+    scale = scale.detach()
+    bad = ~torch.isfinite(scale)
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0].tolist())
+        raise ValueError(f"{name} has non-finite values (first at index {idx}, value "
+                         f"{float(scale[idx])}): the checkpoint is corrupt or was quantized "
+                         f"from weights holding inf/nan")
+    bad = scale <= 0
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0].tolist())
+        raise ValueError(f"{name} has a non-positive value (first at index {idx}, value "
+                         f"{float(scale[idx])}): weight scales must be positive and finite")
+
+
+def dequantize_weight(w_fp8: torch.Tensor, scale_inv: torch.Tensor, dtype=torch.float32,
+                      name: str = "weight"):
+    """float8 [N, K] x scale (block [ceil(N/128), Kb] or per-row [N, Kb]) -> dtype [N, K].
+
+    The scale's shape and values are checked (a ValueError naming ``name``): a wrong shape
+    would otherwise broadcast silently or fail deep inside torch.
+    """
+    if w_fp8.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [N, K], got shape {tuple(w_fp8.shape)}")
+    check_weight_scale_shape(w_fp8.shape, scale_inv.shape, name)
+    check_scale_values(scale_inv, f"{name}_scale_inv")
     n, k = w_fp8.shape
     rows = expand_weight_scale(scale_inv.float(), n)
     cols = rows.repeat_interleave(BLOCK, dim=1)[:, :k]

@@ -189,3 +189,87 @@ def test_validate_names_the_layer():
     model[0].weight_scale_inv.data[0, 1] = float("-inf")
     with pytest.raises(ValueError, match=r"layer0.weight_scale_inv has non-finite values"):
         model[0].validate("layer0")
+
+
+def _state(m):
+    return {k: (v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v).clone()
+            for k, v in m.state_dict().items()}
+
+
+@pytest.mark.parametrize("rows", [False, True], ids=["block", "per_row"])
+@pytest.mark.parametrize("value,what", [(float("nan"), "non-finite values"),
+                                        (-1.0, "a non-positive value"),
+                                        (0.0, "a non-positive value")])
+def test_failed_load_leaves_the_layer_exactly_as_it_was(rows, value, what):
+    m = FP8Linear.from_linear(_linear(300, 200, seed=5))
+    before = _state(m)
+    q, s = fp8linear.quantize_weight(_linear(300, 200, seed=6).weight.detach())
+    if rows:  # a load that would also change the scale's layout
+        s = expand_weight_scale(s, 200).contiguous()
+    s[1, 2] = value
+    tail = ("the checkpoint is corrupt or was quantized from weights holding inf/nan"
+            if value != value else "weight scales must be positive and finite")
+    with pytest.raises(ValueError) as e:
+        m.load_state_dict({"weight": q, "weight_scale_inv": s, "bias": torch.ones(200)})
+    assert str(e.value) == (f"weight_scale_inv has {what} (first at index (1, 2), value "
+                            f"{value}): {tail}")
+    after = _state(m)
+    assert before.keys() == after.keys()
+    for k in before:
+        assert before[k].shape == after[k].shape and torch.equal(before[k], after[k]), k
+
+
+def test_failed_load_of_a_wrong_bias_or_weight_shape_changes_nothing():
+    m = FP8Linear.from_linear(_linear(300, 200, seed=5))
+    before = _state(m)
+    q, s = fp8linear.quantize_weight(torch.randn(200, 300))
+    rows = expand_weight_scale(s, 200).contiguous()
+    with pytest.raises(ValueError) as e:
+        m.load_state_dict({"weight": q, "weight_scale_inv": rows, "bias": torch.ones(199)})
+    assert str(e.value) == "bias: expected shape (200,), got (199,)"
+    with pytest.raises(ValueError) as e:
+        m.load_state_dict({"weight": q[:, :256], "weight_scale_inv": s, "bias": torch.ones(200)})
+    assert str(e.value) == "weight: expected shape (200, 300), got (200, 256)"
+    after = _state(m)
+    for k in before:
+        assert before[k].shape == after[k].shape and torch.equal(before[k], after[k]), k
+
+
+def test_load_bf16_scales_converts_them_exactly_and_rejects_other_dtypes():
+    q, s = fp8linear.quantize_weight(torch.randn(200, 300))
+    s16 = s.to(torch.bfloat16)
+    m = FP8Linear(300, 200, bias=False)
+    m.load_state_dict({"weight": q, "weight_scale_inv": s16})
+    assert m.weight_scale_inv.dtype == torch.float32
+    assert torch.equal(m.weight_scale_inv, s16.float())
+    with pytest.raises(ValueError) as e:
+        m.load_state_dict({"weight": q, "weight_scale_inv": s.double()})
+    assert str(e.value) == ("weight_scale_inv: expected float32 (or bfloat16/float16), got "
+                            "torch.float64")
+
+
+def test_quantize_model_takes_a_string_as_one_pattern():
+    # a string used to be iterated as characters: "lm_head" skipped every name with an "a"
+    assert _names(quantize_model(Tiny(), skip="lm_head")) == _names(quantize_model(Tiny()))
+    assert _names(quantize_model(Tiny(), skip="attn")) == [
+        "layers.0.mlp", "layers.0.small", "layers.1.mlp", "layers.1.small", "lm_head"]
+
+
+def test_quantize_model_refuses_a_single_linear():
+    with pytest.raises(TypeError) as e:
+        quantize_model(nn.Linear(256, 256))
+    assert str(e.value) == ("quantize_model(nn.Linear) cannot replace the layer in place: use "
+                            "FP8Linear.from_linear(linear) for a single layer")
+    with pytest.raises(TypeError) as e:
+        quantize_model({"a": nn.Linear(4, 4)})
+    assert str(e.value) == "quantize_model expects an nn.Module, got dict"
+
+
+def test_quantize_model_on_the_meta_device_makes_empty_layers():
+    with torch.device("meta"):
+        model = Tiny()
+    quantize_model(model)
+    layer = model.layers[0]["mlp"]
+    assert isinstance(layer, FP8Linear) and layer.weight.device.type == "meta"
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale_inv.shape == (3, 2)
+    assert layer.bias.dtype == torch.float32  # the original layer's dtype

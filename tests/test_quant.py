@@ -197,3 +197,36 @@ def test_has_row_scales_tells_the_two_layouts_apart():
     assert has_row_scales(torch.empty(100, 3), 100)
     assert not has_row_scales(torch.empty(1, 3), 100)
     assert not has_row_scales(torch.empty(1, 3), 1)  # one row: the same either way
+
+
+def test_dequantize_weight_checks_the_scale():
+    q, s = fp8linear.quantize_weight(torch.randn(200, 300))
+    cases = [
+        (torch.ones(5, 5), "weight_scale_inv has shape (5, 5) but weight is [200, 300]: "
+                           "expected (2, 3) for 128x128 blocks or (200, 3) per row"),
+        (torch.ones(1, 1), "weight_scale_inv has shape (1, 1) but weight is [200, 300]: "
+                           "expected (2, 3) for 128x128 blocks or (200, 3) per row"),
+        (torch.ones(2, 3, 1), "weight_scale_inv has shape (2, 3, 1) but weight is [200, 300]: "
+                              "expected (2, 3) for 128x128 blocks or (200, 3) per row"),
+        (-s, "weight_scale_inv has a non-positive value (first at index (0, 0), value "
+             f"{-float(s[0, 0])}): weight scales must be positive and finite"),
+        (s * 0, "weight_scale_inv has a non-positive value (first at index (0, 0), value "
+                "0.0): weight scales must be positive and finite"),
+    ]
+    for scale, msg in cases:
+        with pytest.raises(ValueError) as e:
+            fp8linear.dequantize_weight(q, scale)
+        assert str(e.value) == msg
+    bad = s.clone()
+    bad[1, 1] = float("inf")
+    with pytest.raises(ValueError) as e:
+        fp8linear.dequantize_weight(q, bad, name="layers.0.q_proj.weight")
+    assert str(e.value) == ("layers.0.q_proj.weight_scale_inv has non-finite values (first at "
+                            "index (1, 1), value inf): the checkpoint is corrupt or was "
+                            "quantized from weights holding inf/nan")
+    with pytest.raises(ValueError) as e:
+        fp8linear.dequantize_weight(q.view(2, 100, 300), s)
+    assert str(e.value) == "weight must be 2-D [N, K], got shape (2, 100, 300)"
+    # both accepted layouts still work
+    rows = expand_weight_scale(s, 200)
+    assert torch.equal(fp8linear.dequantize_weight(q, s), fp8linear.dequantize_weight(q, rows))
