@@ -13,8 +13,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..module import fp8_modules
-from ..quant import BLOCK, FP8_DTYPE, cdiv
+from .. import __version__
+from ..module import SCALE_LOAD_DTYPES, fp8_modules
+from ..quant import BLOCK, FP8_DTYPE, cdiv, check_scale_values
 from .format import (_ST_DTYPES, CONFIG_NAME, DEFAULT_MAX_SHARD_BYTES, INDEX_NAME, SINGLE_NAME,
                      CheckpointError, TensorEntry, quantization_config)
 
@@ -215,8 +216,7 @@ def save_fp8_checkpoint(model: nn.Module, path, max_shard_bytes: int = DEFAULT_M
         save_file(tensors, str(path / fname), metadata={"format": "pt"})
         weight_map.update({n: fname for n in shard})
     total_size = sum(state[n].numel() * state[n].element_size() for n in names)
-    _write_json(path / INDEX_NAME, {"metadata": {"total_size": total_size},
-                                    "weight_map": weight_map})
+    write_index(path, weight_map, total_size)
 
     if config is None:
         if hasattr(getattr(model, "config", None), "to_dict"):
@@ -235,15 +235,18 @@ def load_fp8_checkpoint(model: nn.Module, path, strict: bool = True) -> nn.Modul
     """Fill ``model`` (FP8Linear layers, e.g. after ``quantize_model``, and everything else
     in its state_dict) from the checkpoint directory ``path``, tensor by tensor.
 
-    FP8Linear weights must be float8_e4m3fn and their scales fp32 in the file, with the
-    layer's shape (scales: 128x128 blocks or per row); other floating tensors are cast to the
-    model's dtype. A missing tensor, wrong shape or dtype, or (with ``strict``) a tensor the
-    model does not have raises CheckpointError naming the tensor and the file. Every
-    FP8Linear is validated once afterwards (non-finite scales are caught there).
+    FP8Linear weights must be float8_e4m3fn in the file and their scales fp32 (bf16/fp16
+    convert exactly), with the layer's shape (scales: 128x128 blocks or per row), finite
+    and positive; other floating tensors are cast to the model's dtype. Buffers the
+    checkpoint lacks keep the values the model computed (position ids, rotary tables), and
+    the checkpoint's copies of non-persistent buffers are ignored. A missing tensor, wrong
+    shape, dtype or scale value, or (with ``strict``) a tensor the model does not have
+    raises CheckpointError naming the tensor and the file, before anything is copied.
     """
     ckpt = CheckpointDir(path)
     state, groups = _unique_state(model)
     fp8 = dict(fp8_modules(model))
+    buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
     where = ckpt.index_path if ckpt.index_path.exists() else ckpt.path
 
     # every tied group needs one copy on disk; missing tensors are reported before any load
@@ -251,26 +254,36 @@ def load_fp8_checkpoint(model: nn.Module, path, strict: bool = True) -> nn.Modul
     for group in groups:
         present = [n for n in group if n in ckpt]
         if not present:
-            hint = ""
-            owner, _, leaf = group[0].rpartition(".")
-            if leaf == "weight_scale_inv" or (leaf == "weight" and owner in fp8):
-                hint = " (is the checkpoint quantized? convert it with `fp8linear quantize`)"
+            if all(n in buffers for n in group):
+                continue  # a buffer the model computes itself (e.g. BERT's position_ids)
             raise CheckpointError(f"tensor '{group[0]}' is missing from the checkpoint "
-                                  f"({where}){hint}")
+                                  f"({where}){_missing_hint(group[0], ckpt, fp8)}")
         for n in present:
             plan[n] = group
     if strict:
-        extra = sorted(set(ckpt.entries) - set(plan))
+        # a non-persistent buffer (not in state_dict) that an older save wrote is not extra
+        extra = sorted(set(ckpt.entries) - set(plan) - buffers)
         if extra:
             e = ckpt.entries[extra[0]]
             raise CheckpointError(
                 f"{e.file}: tensor '{e.name}' is not in the model"
                 + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
-                + "; was quantize_model run with the same skip list? "
-                  "(load_fp8_checkpoint(..., strict=False) ignores extra tensors)")
+                + _extra_hint(e.name, model))
     for name in plan:
         for target in plan[name]:
             _check_entry(ckpt.entries[name], target, state[target], fp8)
+
+    # scales are small: read and check them all first, so a bad one leaves the model as it was
+    scales = {}
+    for file, names in ckpt.by_file().items():
+        names = [n for n in names if n in plan and _is_fp8_scale(plan[n], fp8)]
+        handle = _safe_open(file) if names else None
+        for name in names:
+            scales[name] = _get_tensor(handle, file, name)
+            try:
+                check_scale_values(scales[name], name)
+            except ValueError as e:
+                raise CheckpointError(f"{file}: {e}") from e
 
     with torch.no_grad():
         for file, names in ckpt.by_file().items():
@@ -279,16 +292,41 @@ def load_fp8_checkpoint(model: nn.Module, path, strict: bool = True) -> nn.Modul
                 continue
             handle = _safe_open(file)
             for name in names:
-                t = _get_tensor(handle, file, name)
+                t = scales[name] if name in scales else _get_tensor(handle, file, name)
                 for target in plan[name]:
-                    _assign(model, target, state[target], t, fp8)
-    for name, mod in fp8.items():
-        try:
-            mod.validate(name)
-        except ValueError as e:
-            file = ckpt.entries[f"{name}.weight_scale_inv" if name else "weight_scale_inv"].file
-            raise CheckpointError(f"{file}: {e}") from e
+                    _assign(target, state[target], t, fp8)
     return model
+
+
+def _is_fp8_scale(targets, fp8) -> bool:
+    parts = [t.rpartition(".") for t in targets]
+    return any(leaf == "weight_scale_inv" and owner in fp8 for owner, _, leaf in parts)
+
+
+def _missing_hint(name: str, ckpt: CheckpointDir, fp8: dict) -> str:
+    owner, _, leaf = name.rpartition(".")
+    if owner not in fp8 or leaf not in ("weight", "weight_scale_inv"):
+        return ""
+    if not any(e.dtype == "F8_E4M3" for e in ckpt.entries.values()):
+        return " (the checkpoint is not quantized: convert it with `fp8linear quantize`)"
+    w = ckpt.entries.get(f"{owner}.weight" if owner else "weight")
+    if w is not None and w.dtype != "F8_E4M3":
+        return (f" (the checkpoint keeps '{owner}' unquantized, as {w.dtype}: pass "
+                f"quantize_model a skip list that leaves it out)")
+    return ""
+
+
+def _extra_hint(name: str, model: nn.Module) -> str:
+    owner, _, leaf = name.rpartition(".")
+    if leaf == "weight_scale_inv":
+        try:
+            kind = type(model.get_submodule(owner)).__name__
+        except AttributeError:
+            kind = None
+        if kind is not None:
+            return (f"; the checkpoint quantizes '{owner}' but the model's layer is a {kind}: "
+                    f"run fp8linear.quantize_model without skipping it")
+    return "; load_fp8_checkpoint(..., strict=False) ignores extra tensors"
 
 
 def _check_entry(entry: TensorEntry, target: str, param: torch.Tensor, fp8: dict):
@@ -297,14 +335,15 @@ def _check_entry(entry: TensorEntry, target: str, param: torch.Tensor, fp8: dict
     if owner in fp8 and leaf in ("weight", "weight_scale_inv"):
         mod = fp8[owner]
         if leaf == "weight":
-            want_dtype, want = FP8_DTYPE, [(mod.out_features, mod.in_features)]
+            dtypes, want = (FP8_DTYPE,), [(mod.out_features, mod.in_features)]
         else:
             kb = cdiv(mod.in_features, BLOCK)
-            want_dtype = torch.float32
+            dtypes = SCALE_LOAD_DTYPES
             want = [(cdiv(mod.out_features, BLOCK), kb), (mod.out_features, kb)]
-        if entry.torch_dtype != want_dtype:
+        if entry.torch_dtype not in dtypes:
             raise CheckpointError(f"{where} is {entry.dtype}, the FP8Linear layer '{owner}' "
-                                  f"expects {want_dtype}")
+                                  f"expects {dtypes[0]}"
+                                  + (" (or bfloat16/float16)" if len(dtypes) > 1 else ""))
         if entry.shape not in want:
             raise CheckpointError(f"{where} has shape {list(entry.shape)}, the FP8Linear "
                                   f"layer '{owner}' expects "
@@ -323,10 +362,11 @@ def _check_entry(entry: TensorEntry, target: str, param: torch.Tensor, fp8: dict
         raise CheckpointError(f"{where} is {entry.dtype}, the model expects {param.dtype}")
 
 
-def _assign(model, target, param, t, fp8):
+def _assign(target, param, t, fp8):
     owner, _, leaf = target.rpartition(".")
     if owner in fp8 and leaf == "weight_scale_inv" and tuple(t.shape) != tuple(param.shape):
-        # per-row scales (tensor-parallel shards not aligned to 128): take the file's shape
+        # block <-> per-row scales (tensor-parallel shards not aligned to 128): take the
+        # file's layout
         param.data = t.to(device=param.device, dtype=torch.float32).contiguous()
         return
     param.copy_(t)
@@ -334,4 +374,23 @@ def _assign(model, target, param, t, fp8):
 
 def _write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def write_index(path: Path, weight_map: dict, total_size: int, other_files=()) -> None:
+    """The shard index, with the list of every top-level file fp8linear wrote into ``path``:
+    ``fp8linear quantize --force`` replaces a folder only when it holds nothing else."""
+    files = sorted({*weight_map.values(), INDEX_NAME, CONFIG_NAME, *other_files})
+    _write_json(path / INDEX_NAME, {
+        "metadata": {"total_size": total_size,
+                     "fp8linear": {"version": __version__, "files": files}},
+        "weight_map": weight_map})
+
+
+def written_files(path: Path) -> Optional[set]:
+    """The files ``write_index`` recorded in ``path``, or None if fp8linear did not write it."""
+    try:
+        files = json.loads((path / INDEX_NAME).read_text())["metadata"]["fp8linear"]["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return set(files) if isinstance(files, list) else None
 

@@ -114,10 +114,11 @@ def test_load_wrong_dtype(saved):
                                               rf"FP8Linear layer '{name[:-7]}' expects "
                                               rf"torch.float8_e4m3fn"):
         load_fp8_checkpoint(quantized_tiny(), saved)
-    file = rewrite(saved, name + "_scale_inv", torch.ones(2, 2, dtype=torch.float16))
+    file = rewrite(saved, name + "_scale_inv", torch.ones(2, 2, dtype=torch.float64))
     rewrite(saved, name, torch.zeros(192, 160).to(torch.float8_e4m3fn))
-    with pytest.raises(CheckpointError, match=rf"'{name}_scale_inv' is F16, the FP8Linear "
-                                              rf"layer .* expects torch.float32"):
+    with pytest.raises(CheckpointError, match=rf"'{name}_scale_inv' is F64, the FP8Linear "
+                                              rf"layer .* expects torch.float32 \(or "
+                                              rf"bfloat16/float16\)$"):
         load_fp8_checkpoint(quantized_tiny(), saved)
 
 
@@ -141,6 +142,10 @@ def test_load_unexpected_tensor(saved):
     with pytest.raises(CheckpointError, match=rf"{file}: tensor 'model.extra.weight' is not "
                                               rf"in the model"):
         load_fp8_checkpoint(quantized_tiny(), saved)
+    with pytest.raises(CheckpointError) as e:
+        load_fp8_checkpoint(quantized_tiny(), saved)
+    assert str(e.value) == (f"{file}: tensor 'model.extra.weight' is not in the model; "
+                            f"load_fp8_checkpoint(..., strict=False) ignores extra tensors")
     load_fp8_checkpoint(quantized_tiny(), saved, strict=False)
 
 
@@ -202,3 +207,98 @@ def test_load_from_a_path_that_is_not_a_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="no safetensors files"):
         load_fp8_checkpoint(quantized_tiny(), tmp_path)
 
+
+
+def _snapshot(model):
+    return {n: (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t).clone()
+            for n, t in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("value,what,tail", [
+    (float("nan"), "non-finite values",
+     "the checkpoint is corrupt or was quantized from weights holding inf/nan"),
+    (-0.5, "a non-positive value", "weight scales must be positive and finite"),
+    (0.0, "a non-positive value", "weight scales must be positive and finite")])
+def test_a_bad_scale_fails_the_load_before_anything_is_copied(saved, value, what, tail):
+    src = quantized_tiny()  # what `saved` holds
+    name = "model.layers.1.mlp.experts.1.up_proj.weight_scale_inv"  # in the last shard
+    s = load_file(str(saved / read_index(saved)[name]))[name]
+    s[1, 0] = value
+    file = rewrite(saved, name, s)
+    model = quantized_tiny(seed=7)
+    before = _snapshot(model)
+    with pytest.raises(CheckpointError) as e:
+        load_fp8_checkpoint(model, saved)
+    assert str(e.value) == (f"{file}: {name} has {what} (first at index (1, 0), value "
+                            f"{value}): {tail}")
+    after = _snapshot(model)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert not all(torch.equal(before[n], _snapshot(src)[n]) for n in before)
+
+
+def test_bf16_and_fp16_scales_load_exactly(saved):
+    # Qwen3-FP8 checkpoints ship their weight_scale_inv in bf16 or fp16
+    a, b = "model.layers.0.self_attn.q_proj", "model.layers.1.mlp.experts.0.down_proj"
+    want = {}
+    for layer, dtype in ((a, torch.bfloat16), (b, torch.float16)):
+        name = layer + ".weight_scale_inv"
+        want[layer] = load_file(str(saved / read_index(saved)[name]))[name].to(dtype)
+        rewrite(saved, name, want[layer])
+    model = load_fp8_checkpoint(quantized_tiny(seed=4), saved)
+    for layer, s in want.items():
+        got = model.get_submodule(layer).weight_scale_inv
+        assert got.dtype == torch.float32 and torch.equal(got, s.float())
+
+
+def test_buffers_the_checkpoint_lacks_or_the_model_does_not_persist(saved):
+    # persistent buffers the model computes (missing from the file) keep their values; a
+    # non-persistent buffer that an older save wrote (BERT's position_ids) is not "extra"
+    model = quantized_tiny()
+    model.register_buffer("causal_mask", torch.ones(4, 4))
+    model.model.register_buffer("position_ids", torch.arange(8), persistent=False)
+    rewrite(saved, "model.norm.weight")  # (removes it: put it back with an extra tensor)
+    extra = {"model.norm.weight": model.model.norm.weight.detach().clone(),
+             "model.position_ids": torch.arange(8) * 100}
+    save_file(extra, str(saved / "extra.safetensors"))
+    wm = read_index(saved)
+    wm.update({n: "extra.safetensors" for n in extra})
+    (saved / INDEX_NAME).write_text(json.dumps({"weight_map": wm}))
+    load_fp8_checkpoint(model, saved)
+    assert torch.equal(model.causal_mask, torch.ones(4, 4))
+    assert torch.equal(model.model.position_ids, torch.arange(8))
+
+
+def test_load_hints_name_the_actual_mismatch(saved, tmp_path):
+    # the model quantizes a layer the checkpoint keeps in bf16
+    with pytest.raises(CheckpointError) as e:
+        load_fp8_checkpoint(quantize_model(tiny.TinyMoeForCausalLM().to(torch.bfloat16),
+                                           skip="lm_head"), saved)
+    assert str(e.value) == (
+        f"tensor 'model.layers.1.mlp.gate.weight_scale_inv' is missing from the checkpoint "
+        f"({saved / INDEX_NAME}) (the checkpoint keeps 'model.layers.1.mlp.gate' unquantized, "
+        f"as BF16: pass quantize_model a skip list that leaves it out)")
+    # the model leaves layers in high precision that the checkpoint quantizes
+    model = quantize_model(tiny.TinyMoeForCausalLM().to(torch.bfloat16),
+                           skip=("lm_head", "*.mlp.gate", "self_attn"))
+    with pytest.raises(CheckpointError) as e:
+        load_fp8_checkpoint(model, saved, strict=False)
+    assert "is F8_E4M3 (quantized) but the model's 'model.layers.0.self_attn." in str(e.value)
+    for n, m in model.named_modules():  # so that only the extra scales remain
+        if n.endswith(("q_proj", "k_proj", "v_proj", "o_proj")):
+            m.weight.data = m.weight.data.to(torch.float8_e4m3fn)
+    with pytest.raises(CheckpointError) as e:
+        load_fp8_checkpoint(model, saved)
+    name = "model.layers.0.self_attn.k_proj"
+    file = saved / read_index(saved)[name + ".weight_scale_inv"]
+    assert str(e.value) == (
+        f"{file}: tensor '{name}.weight_scale_inv' is not in the model (and 7 more); the "
+        f"checkpoint quantizes '{name}' but the model's layer is a Linear: run "
+        f"fp8linear.quantize_model without skipping it")
+    # a checkpoint that is not quantized at all
+    tiny.write_checkpoint(tmp_path / "bf16")
+    with pytest.raises(CheckpointError) as e:
+        load_fp8_checkpoint(quantized_tiny(), tmp_path / "bf16")
+    assert str(e.value) == (
+        f"tensor 'model.layers.0.self_attn.q_proj.weight_scale_inv' is missing from the "
+        f"checkpoint ({tmp_path / 'bf16' / INDEX_NAME}) (the checkpoint is not quantized: "
+        f"convert it with `fp8linear quantize`)")
