@@ -1,6 +1,7 @@
 // torch <-> kernel glue: the only translation unit that includes torch headers. Python
-// (fp8linear/kernels/sm90.py) has already validated dtypes, shapes and strides; here we only
-// take pointers and the current stream, and turn a launch error into an exception.
+// (fp8linear/ops.py, backends/sm90/backend.py) has already validated dtypes, shapes and
+// strides; here we only take pointers and the current stream, and turn a launch error into an
+// exception.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>

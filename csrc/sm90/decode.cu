@@ -37,12 +37,7 @@ int pick_stages(int rows, int bt, int kbs, bool per_row, bool fused, bool row_st
 // most weight bytes in flight an SM (two rings of ~96 KB), and every SM's requests queue in
 // the memory system ahead of the loads each kernel's critical path waits for (activations,
 // the quant kernel's reads, the split reduction): 2 stages (32 KB) a CTA keep HBM busy
-// without that queue. H100, results/2026-11-26_decode_weight_window_h100.log, M = 1-16:
-// 32768x512 8-20% faster back to back, after an elementwise kernel and after our fused norm
-// (2-13% for fp8_linear after an elementwise kernel); 24576x1536 2-7% faster after a kernel,
-// 2-4% slower back to back. On other plans the same window loses back to back (64-row CTAs
-// two an SM up to 24%, one CTA an SM 5-10%), and a 64 KB one gains 0-4% after a kernel on
-// long K ranges but loses up to 4% back to back: not used there.
+// without that queue. Other plans lose with a window (docs/tuning.md: decode-weight-window).
 int window_stages(int rows, int ctas_per_sm, int stages) {
   const int w = rows == kDecodeMaxRows && ctas_per_sm == 2 ? 2 : 0;
   return w < stages ? w : 0;
@@ -51,26 +46,16 @@ int window_stages(int rows, int ctas_per_sm, int stages) {
 // Weight stages requested before the activations (0: the whole ring). Unsplit 64-row plans
 // over up to 64 K blocks in one wave request 8 stages (64 KB a CTA), then the activations,
 // then the rest of the ring: the activations, on the critical path once the previous kernel
-// is done, queue behind every weight request already issued (session 25's lesson).
-// H100, results/2026-11-26_decode_first_stages_h100.log, M = 1-32, block_fp8_gemm, run 3
-// (the rule against the whole ring, two builds in one process) after an elementwise kernel /
-// a PDL-aware norm / our fused norm / back to back: 7168x2048 +4-6% / +5-8% / +6-14% / +3-6%;
-// 6144x4096 +3-6% / +4-7% / +6-8% / -2%; 8192^2 +0-1% / +0-1% / +1-6% / -2% (the model-like
-// cases decide); runs 1-2: 5120x5120 +3-5% and 6144x7168 +1-5% every way. Kept out: longer K
-// ranges (7168x16384 -1 to -2%), split plans (4096x7168 -1 to -4%), grids over a wave
-// (57344x8192 x 1 -1%); 4 or 12 stages were no better than 8.
+// is done, would queue behind every weight request already issued. Other plans lose with it
+// (docs/tuning.md: decode-first-stages).
 int first_stages(int rows, int splits, int kbs, int ctas, int slots) {
   return rows == 64 && splits == 1 && kbs <= 64 && ctas <= slots ? 8 : 0;
 }
 
 // 64-row CTAs two an SM with split K (the 15-17 MB weights: 2112x7168, 4096^2) relay their
 // weights (kRelay) with 4 stages (32 KB) in flight: the window from the start, while the
-// previous kernel runs, without holding the activations back. H100, M = 1-16, runs G-I of
-// results/2026-11-26_decode_weight_window_h100.log: block_fp8_gemm back to back 4-7% faster
-// (2112x7168 x 1-8 6.6 -> 6.3 us, 4096^2 x 1-4 7.3 -> 7.0: 77-78% of the weight-read floor),
-// after our fused norm 8-13%, after a PDL-aware norm 0-9%; fp8_linear after our fused norm
-// 0-19% faster, after an elementwise kernel or a PDL-aware norm 2-3% slower. Unsplit 64-row
-// plans (7168x2048) lose 2-6%, hence split K only.
+// previous kernel runs, without holding the activations back. Unsplit 64-row plans lose with
+// it, hence split K only (docs/tuning.md: decode-relay).
 bool relay_plan(int rows, int ctas_per_sm, int splits) {
   return rows == 64 && ctas_per_sm == 2 && splits > 1;
 }

@@ -80,7 +80,7 @@ struct DecodeParams {
 // p.window stages in flight, passes each landed stage on to `full` (one arrival); activations
 // (fp8 input) come from a second producer warp straight onto `full`. So the weights stream at
 // the window's pace while the previous kernel runs, and the math warps still wait on one
-// barrier a stage (a second wait there cost 2-11%: results/2026-11-26_decode_weight_window_h100.log).
+// barrier a stage (a second wait there cost 2-11%; docs/tuning.md: decode-relay).
 template <int BT, int kRows, bool kPerRow, typename OutT, int kCtasPerSM, bool kRowStep,
           bool kRelay = false>
 __global__ void __launch_bounds__(384, kCtasPerSM)

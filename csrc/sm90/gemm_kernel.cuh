@@ -99,12 +99,12 @@ struct GemmSmem {
 
 // First row of M block mb. A last block that would run past M is moved up to end at row M
 // (when M >= BM): its boxes then lie in bounds instead of being zero-filled by TMA, which on
-// narrow tiles cost up to a third of the GEMM (2112x7168 x 96 with 64x32 tiles: 13.3 us vs 9.9
-// moved; results/2026-11-24_gemm_moved_last_block_h100.log). The row is rounded up to a
-// multiple of 4: it is also the inner coordinate of the fp32 activation-scale box, which TMA
-// needs 16-byte aligned (a few rows past M are then zero-filled). The rows it shares with the
-// block before are computed by both CTAs from the same operands in the same order, so both
-// write the same bits (tests/kernels/test_gemm_gpu.py checks it for every configuration).
+// narrow tiles cost up to a third of the GEMM (docs/tuning.md: gemm-moved-last-block). The
+// row is rounded up to a multiple of 4: it is also the inner coordinate of the fp32
+// activation-scale box, which TMA needs 16-byte aligned (a few rows past M are then
+// zero-filled). The rows it shares with the block before are computed by both CTAs from the
+// same operands in the same order, so both write the same bits (checked for every
+// configuration by tests/backends/test_gemm_gpu.py).
 template <int BM>
 __device__ __forceinline__ int tile_row0(int mb, int M) {
   const int r = mb * BM;
@@ -133,9 +133,8 @@ __device__ __forceinline__ void tile_coords(int t, int num_m, int num_n, int gro
 // deterministic: the order does not depend on who arrives last), stores the tile and
 // resets the counter. Nobody waits for another CTA, and the parts of a tile run side by
 // side over their own K ranges, as the whole tiles do, so CTAs running together still
-// share operand tiles in L2. (Stream-K, an even share of all iterations a CTA, puts the
-// CTAs at scattered K offsets: they stopped sharing the weights in L2 and ran 1.3-2.6x
-// slower, results/2026-11-26_gemm_split_tail_h100.log.)
+// share operand tiles in L2. (Stream-K puts the CTAs at scattered K offsets, where they stop
+// sharing the weights in L2; docs/tuning.md: gemm-split-tail.)
 // (Also the host's: launch() sizes the grid with it, so both sides agree on the split.)
 struct SplitTail {
   int dp_end;  // tiles below it: whole
@@ -155,10 +154,8 @@ struct SplitTail {
 // kLean (64-row tiles of <= 64 columns): built for at most 128 registers a thread (they use
 // 42-112), without the setmaxnreg split, so that a CTA fits beside the previous kernel's CTAs
 // on an SM and starts under PDL while they run; built for the split (232 registers a thread
-// for the math warpgroup: 59K of the SM's 64K) it waits for them to leave the SM. H100,
-// results/2026-11-25_gemm_lean_early_h100.log, block_fp8_gemm after our fused norm kernel at
-// M = 16-128: 4096^2 8.90 -> 7.88 us at M = 64, 4096x7168 13.4 -> 12.3 at M = 32, with its
-// early trigger 4096x14336 24.6 -> 22.9; back to back 0-2% slower.
+// for the math warpgroup: 59K of the SM's 64K) it waits for them to leave the SM
+// (docs/tuning.md: gemm-lean).
 // kQueueNext: two math warpgroups keep two partial accumulators as one does (below).
 template <int BM, int BN, int STAGES, int CLUSTER, bool kShareA, bool kPerRowB, bool kLean,
           bool kQueueNext, bool kSplitTail, typename OutT>
@@ -187,7 +184,8 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
   constexpr bool kTwoBlocks = !kPerRowB && (128 % BN != 0);
   // BN = 48 / 96 / 160: the boundary is a constant of the tile's K loop (one loop per case, picked
   // at the tile's start, as DeepGEMM does): a run-time select per 8 columns cost those tiles
-  // 10-15% (session 9). BN = 192 selects once per K block (two cases, below).
+  // 10-15% (docs/tuning.md: gemm-static-boundary). BN = 192 selects once per K block (two
+  // cases, below).
   constexpr bool kStaticBoundary = kTwoBlocks && BN != 192;
   constexpr int kBoxCols = L::kBoxCols;
   extern __shared__ uint8_t smem_raw[];
@@ -254,11 +252,8 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
         // the units of the other M blocks; with at most two M units (a unit is a pair where
         // pairs multicast the weight tile) those are neighbours in the tile order and run at
         // the same time, so the weights need no protection, and marking them evict-last only
-        // pushes the activations out. H100, results/2026-11-24_gemm_l2_policy_h100.log,
-        // evict-first weights: 24576x1536 x 128 17.9 -> 16.3 us, x 256 22.7 -> 20.7;
-        // 28672x4096 x 128 48.0 -> 44.4; 8192^2 x 512 55.8 -> 54.4; neutral elsewhere. With
-        // more M blocks they lose where re-reads come later (28672x4096 x 512 +1.7%, x 4096
-        // +2-6%; 7168x16384 x 4096 +2%).
+        // pushes the activations out. With more M units the re-reads come later and the
+        // weights keep evict-last (docs/tuning.md: gemm-l2-policy).
         const uint64_t keep = l2_policy_evict_last();
         const bool few_m_units = num_um <= 2;
         const uint64_t keep_b = few_m_units ? l2_policy_evict_first() : keep;
@@ -302,19 +297,15 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
             tma_load_2d(sA + s * L::kABytes, &tmap_a, &full[s], kb * kBlockK, row0, keep);
           } else {
             // each CTA loads half the shared activation tile's rows for both: two TMA units
-            // share the pair's A traffic. H100, results/2026-11-26_gemm_split_a_multicast_h100.log:
-            // +0.9% geomean on the 29 benchmark points where the heuristic picks the pair (two
-            // runs, order swapped; no point's mean below 0.998x). Session 10 rejected it when
-            // the pair also ran K = 512 shapes, where the rings waiting both ways lost 1-2%.
+            // share the pair's A traffic (docs/tuning.md: gemm-split-a-multicast).
             tma_load_2d_multicast(sA + s * L::kABytes + rank * p.a_half * kBlockK, &tmap_a,
                                   &full[s], kb * kBlockK, row0 + rank * p.a_half, kBoth, keep);
           }
           if (with_b) load_b(s, kb, nb);
           tma_load_2d(sSA + s * BM, &tmap_sa, &full[s], row0, kb, keep);
           // The copies go out first, then the arrival that expects their bytes (the barrier
-          // cannot complete before it): 1-5% faster at M = 64-512 than arriving first
-          // (2112x7168 x 128 13.7 -> 13.3 us, 4096x14336 x 64 44.9 -> 42.8; H100,
-          // results/2026-11-24_gemm_narrow_ab_h100.log).
+          // cannot complete before it): faster than arriving first (docs/tuning.md:
+          // gemm-arrive-after-copies).
           mbar_arrive_expect_tx(&full[s], p.stage_bytes);
           if (++s == STAGES) { s = 0; phase ^= 1; }
         };
@@ -339,9 +330,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
         // PDL (a no-op without it): the next kernel may launch once every CTA of ours has
         // issued its last loads (one thread's call counts for its CTA); it waits for our
         // completion (griddepcontrol.wait) before reading our output. Triggering right after
-        // the prologue instead cost up to 8% back to back (4096x14336 x 256 34.4 vs 31.9 us)
-        // and never triggering lost 3-5% elsewhere; this point: +1.3% geomean back to back,
-        // no point slower (results/2026-11-24_gemm_pdl_trigger_late_ab_h100.log).
+        // the prologue instead, or never, was slower (docs/tuning.md: gemm-late-trigger).
         pdl_launch_dependents();
       }
     } else if (warp_in_wg == 1) {
@@ -350,8 +339,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
       // never sit between "stage free" and "stage full": block scales are fetched 32 K blocks
       // at a time into registers (lane i holds K block kb0 + i) and handed out per stage by
       // shuffles, each batch fetched one batch ahead (the next tile's first batch during
-      // this tile's last). Measured: ~1% off narrow tiles (2112x7168 x 64-256, 4096^2 x 128),
-      // results/2026-11-24_gemm_scale_reads_h100.log.
+      // this tile's last). (docs/tuning.md: gemm-scale-reads)
       int s = 0;
       uint32_t phase = 0;
       const int num_nblk = (p.N + 127) / 128;
@@ -444,12 +432,10 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
     // Two partials with one math warpgroup (BM = 64): K block kb+1's wgmmas are issued before
     // kb's partial is promoted, so the tensor cores never wait for a promotion. With two math
     // warpgroups each one's promotion runs while the other's wgmmas do, and a single partial
-    // (in the unrolled loop below) is faster: H100, 128x64 / 128x128 tiles at M = 128-512,
-    // +2.3% geomean back to back (up to 8%: 2112x7168 x 512 16.9 -> 15.6 us), +2.2% for
-    // fp8_linear after an elementwise kernel; one partial with BM = 64 was 2-4% slower
-    // (results/2026-11-24_gemm_single_partial_ab_h100.log). Except over short K loops at
-    // 512-1024 tokens (kQueueNext, config 13: backends/sm90/plan.py says where). Per-row B scales keep
-    // one (their promotion needs the registers: ptxas spills otherwise); BN = 192 and two
+    // (in the unrolled loop below) is faster, and one partial with BM = 64 slower
+    // (docs/tuning.md: gemm-partials). Except over short K loops at 512-1024 tokens
+    // (kQueueNext, config 13: two-partials-short-k). Per-row B scales keep one (their
+    // promotion needs the registers: ptxas spills otherwise); BN = 192 and two
     // waves (BM = 256) have two warpgroups anyway.
     constexpr bool kTwoPartials = (kMathWG == 1 || kQueueNext) && 3 * kRegs <= 192 && !kPerRowB;
     static_assert(!kSplitTail || !kTwoPartials, "split tail: the one-partial K loop");
@@ -490,8 +476,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
     // its read before the B-scale warp's next write of the slot. (One arrival a warp after
     // __syncwarp is as correct, but compute-sanitizer's racecheck does not follow the warp
     // barrier and flagged that write in every configuration when forced onto the sanitizer's
-    // cases; per-lane arrivals cost 0.1-0.3% at 2048-8192 tokens, same bits, H100:
-    // results/2026-11-26_gemm_lane_release_racecheck_h100.log.)
+    // cases; per-lane arrivals cost 0.1-0.3%; docs/tuning.md: gemm-lane-release.)
     // In a pair each CTA multicasts half of the shared tile (A or B) into the peer's ring, so
     // each also tells the peer's producer when it has read the stage.
     const bool tell_peer = CLUSTER > 1;
@@ -538,8 +523,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
       }
     };
     // 128x128 block scales of stage s are warp-uniform: every lane reads them (one broadcast
-    // load). (A lane-0 load and a shuffle cost 5-8% at M = 512 on 2112x7168 and 4096x7168:
-    // results/2026-11-24_gemm_scale_reads_h100.log.)
+    // load). (A lane-0 load and a shuffle cost 5-8%; docs/tuning.md: gemm-scale-reads.)
     auto block_scales = [&](float& lo, float& hi) {
       if constexpr (!kPerRowB) {
         lo = sSB[s * BN];
@@ -585,10 +569,8 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
         // Two waves (256x128): the wave's A scales are read before its wgmmas. Read after the
         // first one (as before), the two scale FMULs that ptxas places between the wgmmas
         // waited for the loads and held back wgmmas 2-4 (ncu: short-scoreboard stalls there,
-        // where DeepGEMM reads them first). H100, two A/B runs: 1.004x / 1.005x geomean at
-        // M >= 512, up to 3% on 256x128 (7168x16384 x 4096 710 -> 688 us); one-wave tiles
-        // were 0.3% slower with it (128x192: 6144x4096, 24576x1536), so they keep the order.
-        // results/2026-11-26_gemm_scales_before_wgmma_h100.log.
+        // where DeepGEMM reads them first). One-wave tiles were slower with it, so they keep
+        // the order (docs/tuning.md: gemm-scales-before-wgmma).
         float sa0 = 0.f, sa1 = 0.f;
         auto read_sa = [&] {
           sa0 = sSA[s * BM + wave_row(w) + row_in_wg];
@@ -661,8 +643,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
           // Unrolled so that ptxas moves each K block's full-barrier wait and scale loads up
           // into the previous block's promotion (as in DeepGEMM's unroll-8 loop); rolled, the
           // wait, its branch and ~30 descriptor instructions sat between the promotion and the
-          // next wgmmas. H100, 256x128 and 128x192 tiles at M >= 512: 1.5-2% faster in geomean
-          // (results/2026-11-24_gemm_unroll_ab_h100.log; unrolled by 8: no better).
+          // next wgmmas (docs/tuning.md: gemm-partials; unrolled by 8: no better).
 #pragma unroll 4
           for (int kb = 0; kb < (kSplitTail ? nkb : p.num_kb); ++kb) step_waves(bnd);
         }

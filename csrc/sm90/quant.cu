@@ -4,12 +4,8 @@
 // kUnroll groups, all loads issued before any reduction. Two shapes (launch_typed):
 //  - narrow: a warp a group, 4 values (8 bytes of bf16/fp16) a lane, one group at a time;
 //  - wide: 16-byte loads (a half-warp a bf16/fp16 group), two groups a lane: 32 bytes in
-//    flight a lane, a quarter of the CTAs. Alone it is 15-25% faster from 256 tokens x 8K
-//    channels up (H100: 256x28672 8.2 vs 11.1 us, 4096x4096 21.5 vs 27.1). In fp8_linear
-//    (results/2026-11-25_quant_wide_ab_h100.log) at 24-256 tokens it is no faster after an
-//    elementwise kernel and ~1 us slower back to back on small weights; at 512 mixed (-7% to
-//    +2% after an elementwise kernel); from 1024 tokens faster both ways (after an elementwise
-//    kernel 0-10%: 4096x14336 x 4096 429 -> 402 us). So it serves prefill from 1024 tokens.
+//    flight a lane, a quarter of the CTAs. Alone faster from 256 tokens x 8K channels, but in
+//    fp8_linear only from 1024 tokens (docs/tuning.md: quant-wide), so it serves prefill.
 // Numerics equal fp8linear.quant.quantize_activation: scale = max(amax, 1e-10) / 448, then
 // x / scale rounded to nearest e4m3, saturating (quant.cuh, shared with the decode kernel).
 #include <cuda_bf16.h>

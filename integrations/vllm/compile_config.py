@@ -10,7 +10,7 @@ off by default): each calls gdc_launch_dependents once its loads are issued and 
 it reads what the kernel before it wrote, so a GEMM's launch, prologue and first weight loads
 run under the norm or activation kernel instead of after it (what bench_gemm's ``elem`` and
 ``b2b`` modes measure apart: ~3 us a decode GEMM on the H100), and the kernel after a GEMM is
-launched before the GEMM ends. Measured end to end in benchmarks/NOTES.md (session 14).
+launched before the GEMM ends. Measured end to end: docs/tuning.md, vllm-inductor-pdl.
 
 ``FP8LINEAR_VLLM_PDL=0`` leaves Inductor's setting alone; a value the user put in
 ``compilation_config.inductor_compile_config`` is never overridden.

@@ -5,8 +5,7 @@ fp8 output, and SiLU-and-mul -> down_proj one activation + quantization kernel -
 Without it, a decoder's input and post-attention norms and its MLP activation write bf16 and
 every linear after them quantizes that in a kernel of its own (or, at <= 16 tokens, in its
 GEMM's prologue): one more grid-dependency hop per GEMM, ~1-2 us at 16-64 tokens on an H100
-(benchmarks/NOTES.md, session 15; fusing the norms measured 0.96-0.98x the time of a Llama 8B
-layer at 16-64 tokens).
+(docs/tuning.md: vllm-fuse-quant).
 
 What it matches (vLLM 0.24 / 0.32):
 - Norms. vLLM's RMSNorm calls the IR ops ``vllm_ir.rms_norm`` and ``vllm_ir.fused_add_rms_norm``

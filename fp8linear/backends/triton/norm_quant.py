@@ -3,7 +3,7 @@
 What the vLLM plugin puts in place of a norm whose output only feeds our linear layers
 (integrations/vllm/quant_fusion_pass.py): the GEMM then reads fp8 activations, with no
 quantization kernel between the norm and it (a grid-dependency hop of ~1-2 us a GEMM at
-16-64 tokens; benchmarks/NOTES.md, session 15).
+16-64 tokens; docs/tuning.md: vllm-fuse-quant).
 
 Numerics: vLLM's native rms_norm / fused_add_rms_norm (fp32 sum of the two inputs, the
 residual rounded to the input dtype, fp32 mean of squares, y = (x * rsqrt(var + eps)) rounded
@@ -31,7 +31,7 @@ from .plan import device_info, fused_quant_early_trigger, fused_quant_split
 from .quant import _capability, needs_round_first, quant_group
 
 
-# The PDL protocol of the fused quantization kernels (this one, triton_swiglu_quant.py), in
+# The PDL protocol of the fused quantization kernels (this one, swiglu_quant.py), in
 # one place: wait for the previous kernel before the first load; let the next kernel launch
 # right after that wait (EARLY_TRIGGER) or after the last load (pdl_release).
 @triton.jit
@@ -96,7 +96,7 @@ def _norm_quant_kernel(x_ptr, res_ptr, w_ptr, res_out_ptr, y_ptr, q_ptr, s_ptr, 
 def launch_settings(x, groups: int, cap: int, forced=None, pdl=None, warps=None,
                     norm: bool = True):
     """(groups a program, num_warps, pdl, early trigger) of a fused quantization kernel (this
-    one, norm; or triton_swiglu_quant.py's) over x's rows of ``groups`` output groups, at most
+    one, norm; or swiglu_quant.py's) over x's rows of ``groups`` output groups, at most
     ``cap`` a program (plan.fused_quant_split); ``forced`` / ``warps``: a split and
     warp count for benchmarks and tests. pdl: None = where the GPU has it (sm_90+) and
     FP8LINEAR_PDL allows."""

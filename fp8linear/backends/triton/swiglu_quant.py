@@ -10,8 +10,8 @@ fp8 values and scales are quantize_activation of that product.
 
 A program takes CG groups of 128 output channels of one row (its gate and up halves: 512 bytes
 of input a group): 4 for few rows, so that decode sizes make hundreds of programs, 8 or 16
-for more (plan.fused_quant_split). Launched with PDL where the GPU has it, as
-triton_norm_quant.py is.
+for more (plan.fused_quant_split). Launched with PDL where the GPU has it, as norm_quant.py
+is.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def _silu_mul_quant_kernel(x_ptr, y_ptr, q_ptr, s_ptr, s_ld, D: tl.constexpr,
 def launch(x, q, scale_t, y=None, pdl=None, groups=None, warps=None):
     """x [M, 2d] -> q [M, d] fp8, scale_t [d/128, ld] fp32 (token m's scale of group g at
     [g, m]); y, if given, receives silu(x[:, :d]) * x[:, d:] (tests). pdl, groups: see
-    triton_norm_quant.launch_settings. Validated by the caller (fp8linear.swiglu_quant)."""
+    norm_quant.launch_settings. Validated by the caller (fp8linear.swiglu_quant)."""
     m, d = x.shape[0], x.shape[1] // 2
     cg, warps, pdl, early = launch_settings(x, d // 128, MAX_GROUPS_PER_PROGRAM, groups, pdl,
                                             warps, norm=False)
