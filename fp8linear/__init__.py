@@ -1,4 +1,12 @@
 """fp8linear: block-scaled FP8 linear layers (DeepSeek-V3 numerics) for LLM inference."""
+import warnings as _warnings
+
+with _warnings.catch_warnings():
+    # torch warns at import when NumPy is missing (a plain `pip install torch` has none);
+    # nothing in fp8linear uses NumPy, so the CLI's first run should not print it
+    _warnings.filterwarnings("ignore", message="Failed to initialize NumPy",
+                             category=UserWarning)
+    import torch as _torch  # noqa: F401
 from .quant import (FP8_DTYPE, dequantize_activation, dequantize_weight, quantize_activation,
                     quantize_weight, reference_gemm)
 from .ops import block_fp8_gemm, fp8_linear

@@ -1,9 +1,16 @@
-"""The `fp8linear` command: quantize, info, demo, build."""
+"""The `fp8linear` command: quantize, info, demo, build.
+
+Errors are one line on stderr, never a traceback: exit status 2 for bad input, 1 when
+`info` finds an inconsistent checkpoint, 130 on Ctrl-C, 141 when the reader of stdout goes
+away (`fp8linear demo --json | head`).
+"""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import warnings
 
 
 def _quantize(args) -> int:
@@ -19,6 +26,11 @@ def _info(args) -> int:
     from .checkpoint import checkpoint_info, format_checkpoint_info
     info = checkpoint_info(args.dir)
     print(json.dumps(info, indent=2) if args.json else format_checkpoint_info(info))
+    problems = info["problems"]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        print(f"fp8linear info: error: {problems[0]}{more}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -29,6 +41,13 @@ def _demo(args) -> int:
 
     from .demo import CUDA_CONFIG, DemoConfig, format_report, run_demo
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+        raise ValueError(f"--device {args.device}: no CUDA device is available (torch "
+                         f"{torch.__version__}, {build}); use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {args.device}: there are only "
+                         f"{torch.cuda.device_count()} CUDA devices")
     # a copy: --seed / --layers must not change the module-level CUDA_CONFIG
     cfg = dataclasses.replace(CUDA_CONFIG) if device.type == "cuda" else DemoConfig()
     if args.seed is not None:
@@ -58,6 +77,23 @@ def _build(args) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1, got {value}")
+    return value
+
+
+def _device(text: str) -> str:
+    kind, _, index = text.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fp8linear", description=(
         "Block-scaled FP8 (DeepSeek-V3 128x128) linear layers: convert checkpoints, inspect "
@@ -73,20 +109,23 @@ def make_parser() -> argparse.ArgumentParser:
                         "in high precision; repeatable")
     q.add_argument("--ue8m0", action="store_true",
                    help="power-of-two scales (DeepSeek-V3.1's scale_fmt ue8m0)")
-    q.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    q.add_argument("--force", action="store_true",
+                   help="replace OUT_DIR if it holds only a checkpoint fp8linear wrote")
     q.add_argument("--quiet", action="store_true", help="no progress bar")
     q.set_defaults(func=_quantize)
 
-    i = sub.add_parser("info", help="what a checkpoint directory holds")
+    i = sub.add_parser("info", help="what a checkpoint directory holds; exits 1 when its fp8 "
+                                    "weights and scales do not fit together")
     i.add_argument("dir", metavar="DIR")
     i.add_argument("--json", action="store_true", help="machine-readable output")
     i.set_defaults(func=_info)
 
     d = sub.add_parser("demo", help="quantize a small random Llama-style model and compare "
                                     "it with the original (no downloads)")
-    d.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    d.add_argument("--device", type=_device,
+                   help="cpu, cuda or cuda:N (default: cuda when available)")
     d.add_argument("--seed", type=int)
-    d.add_argument("--layers", type=int)
+    d.add_argument("--layers", type=_positive_int, help="number of transformer layers")
     d.add_argument("--json", action="store_true", help="machine-readable output")
     d.set_defaults(func=_demo)
 
@@ -97,9 +136,29 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = make_parser().parse_args(argv)
-    from .checkpoint import CheckpointError
+    from .checkpoint import CheckpointError, CheckpointWarning
+    plain = warnings.showwarning
+
+    def one_line(message, category, *rest, **kw):
+        if issubclass(category, CheckpointWarning):
+            print(f"fp8linear {args.command}: warning: {message}", file=sys.stderr)
+        else:
+            plain(message, category, *rest, **kw)
+
     try:
-        return args.func(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = one_line
+            rc = args.func(args)
+            sys.stdout.flush()  # here, so that a closed pipe is caught below
+            return rc
+    except KeyboardInterrupt:  # the converter has removed its temporary folder by now
+        print(f"fp8linear {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # the reader went away (`| head`): stop quietly; point stdout at /dev/null so that
+        # the interpreter's final flush does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"fp8linear {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -81,8 +81,15 @@ def test_quantize_refuses_to_overwrite_without_force(ckpt, capsys):
     marker.write_text("x")
     rc, out, err = run(capsys, "quantize", ckpt / "in", ckpt / "out", "--quiet")
     assert rc == 2 and "already exists: pass --force" in err and marker.exists()
+    # --force replaces only a folder holding just a checkpoint fp8linear wrote
     rc, out, err = run(capsys, "quantize", ckpt / "in", ckpt / "out", "--quiet", "--force")
-    assert rc == 0 and not marker.exists()
+    assert rc == 2 and marker.exists()
+    assert err == (f"fp8linear quantize: error: {ckpt / 'out'} holds 'marker', which "
+                   f"fp8linear did not write: --force replaces only a folder holding just a "
+                   f"checkpoint it wrote; move those files or pick another output directory\n")
+    marker.unlink()
+    rc, out, err = run(capsys, "quantize", ckpt / "in", ckpt / "out", "--quiet", "--force")
+    assert rc == 0
     assert err == ""  # --quiet: no progress bar
 
 
@@ -217,6 +224,8 @@ def test_transformers_llama_round_trip(tmp_path, capsys):
 
 def test_demo_options_leave_the_cuda_config_unchanged(monkeypatch, capsys):
     from fp8linear import demo
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     seen = []
     monkeypatch.setattr(demo, "run_demo", lambda cfg, device: seen.append(cfg) or {"ok": 1})
     before = demo.CUDA_CONFIG.seed, demo.CUDA_CONFIG.num_layers

@@ -8,8 +8,8 @@
 - ``info``: ``checkpoint_info`` / ``format_checkpoint_info`` for ``fp8linear info``.
 """
 from .format import (CONFIG_NAME, DEFAULT_MAX_SHARD_BYTES, INDEX_NAME, SCALE_SUFFIX,
-                     SINGLE_NAME, CheckpointError, TensorEntry, quantization_config,
-                     tensor_role)
+                     SINGLE_NAME, CheckpointError, CheckpointWarning, TensorEntry,
+                     quantization_config, tensor_role)
 from .io import (CheckpointDir, load_fp8_checkpoint, read_safetensors_header,
                  save_fp8_checkpoint)
 from .convert import QuantizeReport, quantize_checkpoint, validate_quantized_checkpoint
@@ -17,7 +17,8 @@ from .info import checkpoint_info, format_checkpoint_info
 
 __all__ = [
     "CONFIG_NAME", "DEFAULT_MAX_SHARD_BYTES", "INDEX_NAME", "SCALE_SUFFIX", "SINGLE_NAME",
-    "CheckpointError", "TensorEntry", "quantization_config", "tensor_role", "CheckpointDir",
+    "CheckpointError", "CheckpointWarning", "TensorEntry", "quantization_config", "tensor_role",
+    "CheckpointDir",
     "load_fp8_checkpoint", "read_safetensors_header", "save_fp8_checkpoint", "QuantizeReport",
     "quantize_checkpoint", "validate_quantized_checkpoint", "checkpoint_info",
     "format_checkpoint_info",

@@ -39,6 +39,10 @@ class CheckpointError(ValueError):
     """A checkpoint directory or file that cannot be read, written or matched to a model."""
 
 
+class CheckpointWarning(UserWarning):
+    """Something about a checkpoint that works but is probably not what was meant."""
+
+
 def quantization_config(ue8m0: bool = False, ignored_layers: Iterable[str] = ()) -> dict:
     """The ``config.json`` entry DeepSeek-V3 and Qwen3-FP8 checkpoints carry.
 

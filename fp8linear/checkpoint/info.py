@@ -1,13 +1,18 @@
-"""``fp8linear info``: what a checkpoint directory holds, from the safetensors headers only
-(no tensor data is read)."""
+"""``fp8linear info``: what a checkpoint directory holds and whether its fp8 weights and
+scales fit together, from the safetensors headers only (no tensor data is read)."""
 from __future__ import annotations
 
+from ..quant import weight_scale_shapes
 from .format import SCALE_SUFFIX, _fmt_bytes, _fmt_count
 from .io import CheckpointDir
 
+_SCALE_DTYPES = ("F32", "BF16", "F16")  # what load_fp8_checkpoint accepts
+
 
 def checkpoint_info(path) -> dict:
-    """What a checkpoint directory holds, read from headers only."""
+    """What a checkpoint directory holds, read from headers only. ``problems``: one line
+    per fp8 weight whose scale is missing or of the wrong shape or dtype, and per scale
+    without an fp8 weight (the checkpoint would not load)."""
     ckpt = CheckpointDir(path)
     cfg = ckpt.config()
     qcfg = cfg.get("quantization_config") or {}
@@ -36,7 +41,34 @@ def checkpoint_info(path) -> dict:
                                          if len(e.shape) == 2 and n.endswith(".weight")),
         "bytes_by_dtype": bytes_by_dtype,
         "total_bytes": sum(bytes_by_dtype.values()),
+        "problems": scale_problems(ckpt),
     }
+
+
+def scale_problems(ckpt: CheckpointDir) -> list:
+    problems = []
+    for name, e in ckpt.entries.items():
+        if e.dtype == "F8_E4M3":
+            sname = name + SCALE_SUFFIX
+            s = ckpt.entries.get(sname)
+            if len(e.shape) < 2:
+                problems.append(f"{e.file}: fp8 tensor '{name}' has shape {list(e.shape)}; "
+                                f"block-FP8 weights are at least 2-D")
+                continue
+            # [..., N, K] (stacked experts keep their leading dims)
+            *lead, n, k = e.shape
+            blocks, rows = ([*lead, *w] for w in weight_scale_shapes(n, k))
+            if s is None or s.dtype not in _SCALE_DTYPES or list(s.shape) not in (blocks, rows):
+                problems.append(f"{e.file}: fp8 tensor '{name}' {list(e.shape)} needs an F32 "
+                                f"scale '{sname}' of shape {blocks} (128x128 blocks) or "
+                                f"{rows} (per row), found "
+                                + (f"{s.dtype} {list(s.shape)}" if s else "none"))
+        elif name.endswith(SCALE_SUFFIX):
+            w = ckpt.entries.get(name[:-len(SCALE_SUFFIX)])
+            if w is None or w.dtype != "F8_E4M3":
+                problems.append(f"{e.file}: scale '{name}' belongs to no fp8 tensor (its "
+                                f"weight is " + (w.dtype if w else "missing") + ")")
+    return problems
 
 
 def format_checkpoint_info(info: dict) -> str:
@@ -62,8 +94,9 @@ def format_checkpoint_info(info: dict) -> str:
     lines.append("bytes        " + ", ".join(f"{d} {_fmt_bytes(b)}" for d, b in
                                              sorted(info["bytes_by_dtype"].items()))
                  + f"; total {_fmt_bytes(info['total_bytes'])}")
-    if info["fp8_without_scale"]:
-        lines.append(f"WARNING      {len(info['fp8_without_scale'])} fp8 weights without "
-                     f"a scale, e.g. {info['fp8_without_scale'][0]}")
+    for problem in info["problems"][:3]:
+        lines.append(f"PROBLEM      {problem}")
+    if len(info["problems"]) > 3:
+        lines.append(f"PROBLEM      ... and {len(info['problems']) - 3} more")
     return "\n".join(lines)
 
