@@ -23,7 +23,7 @@ import torch
 
 from .quant import BLOCK, FP8_DTYPE, quantize_activation
 
-_DTYPES = (torch.bfloat16, torch.float16)
+DTYPES = (torch.bfloat16, torch.float16)  # activations the fused norm and SiLU-and-mul take
 
 
 def _fail(msg: str):
@@ -36,7 +36,7 @@ def _check_x(x, shape: str, multiple: int, what: str, why: str = ""):
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         _fail(f"x must be a 2-D {shape} tensor, got "
               + (f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__))
-    if x.dtype not in _DTYPES:
+    if x.dtype not in DTYPES:
         _fail(f"x must be bf16 or fp16, got {x.dtype}")
     if x.shape[1] % multiple:
         _fail(f"x has {x.shape[1]} channels: {what} needs a multiple of {multiple}{why}")
@@ -53,7 +53,7 @@ def _check(x, residual, weight):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
             _fail(f"{name} must have shape {shape}, got "
                   + (f"{tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__))
-        if t.dtype not in _DTYPES or (name == "residual" and t.dtype != x.dtype):
+        if t.dtype not in DTYPES or (name == "residual" and t.dtype != x.dtype):
             _fail(f"{name} must be {'x' if name == 'residual' else 'bf16/fp16'}'s dtype, got "
                   f"{t.dtype}")
         if t.device != x.device:

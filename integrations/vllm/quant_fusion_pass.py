@@ -33,7 +33,7 @@ from torch import fx
 
 import fp8linear.swiglu_quant  # noqa: F401  (registers fp8linear::silu_mul_quant)
 
-from fp8linear.norm_quant import _DTYPES
+from fp8linear.norm_quant import DTYPES
 from fp8linear.quant import BLOCK
 
 _log = logging.getLogger("vllm.fp8_blockgemm")  # (vLLM's logging configuration applies)
@@ -65,16 +65,15 @@ class QuantFusionPass(InductorPass):
         self.rewritten = 0
 
     def uuid(self) -> str:
-        # the compile cache must change when this file or the fused kernel changes
+        # the compile cache must change when this file or the fused kernels change (located by
+        # module name, without importing Triton, which a CPU vLLM may lack)
+        import importlib.util
         from pathlib import Path
 
-        import fp8linear
-        root = Path(fp8linear.__file__).parent
+        mods = ("fp8linear.norm_quant", "fp8linear.ops", "fp8linear.backends.triton.norm_quant",
+                "fp8linear.swiglu_quant", "fp8linear.backends.triton.swiglu_quant")
         return InductorPass.hash_source(
-            self, *((root / f).read_text() for f in ("norm_quant.py", "ops.py",
-                                                     "kernels/triton_norm_quant.py",
-                                                     "swiglu_quant.py",
-                                                     "kernels/triton_swiglu_quant.py")))
+            self, *(Path(importlib.util.find_spec(m).origin).read_text() for m in mods))
 
     def __call__(self, graph: fx.Graph) -> None:
         rms, add_rms = _ir_op("rms_norm"), _ir_op("fused_add_rms_norm")
@@ -165,7 +164,7 @@ def _fits(x, y, channels) -> bool:
     """x: 2-D bf16/fp16 with whole 128-channel groups of ``channels``, y's every user our
     linear over y."""
     xv = _val(x)
-    if xv is None or xv.dim() != 2 or xv.dtype not in _DTYPES:
+    if xv is None or xv.dim() != 2 or xv.dtype not in DTYPES:
         return False
     if not isinstance(channels, int) or channels <= 0 or channels % BLOCK:
         return False
