@@ -7,8 +7,8 @@
 # Steps (comma list in STEPS; default env,build,test,sanitize,bench):
 #   env       nvidia-smi, python/torch/triton/nvcc/deep_gemm versions          (~10 s)
 #   build     python -m fp8linear.cli build  (precompiles our CUDA extension)   BUILD_TIMEOUT=300
-#   test      pytest -m gpu tests/kernels (-n TEST_WORKERS=8 with pytest-xdist)  TEST_TIMEOUT=240
-#   sanitize  compute-sanitizer memcheck on tests/kernels/sanitize_gemm.py       SAN_TIMEOUT=180
+#   test      pytest -m gpu tests (-n TEST_WORKERS=8 with pytest-xdist)  TEST_TIMEOUT=240
+#   sanitize  compute-sanitizer memcheck on tests/backends/sm90/sanitize_gemm.py       SAN_TIMEOUT=180
 #             (--configs all: also every large-M configuration forced)
 #   racecheck compute-sanitizer racecheck on sanitize_gemm.py --quick --configs all (not by default)
 #                                                                               RACE_TIMEOUT=300
@@ -156,14 +156,14 @@ if want test; then
   "$PY" -c "import pytest_timeout" 2>/dev/null && \
     XDIST="$XDIST --timeout=${TEST_CASE_TIMEOUT:-150} --timeout-method=thread"
 fi
-step test "${TEST_TIMEOUT:-240}" "$PY" -m pytest -m gpu -q ${TEST_PATHS:-tests/kernels} \
+step test "${TEST_TIMEOUT:-240}" "$PY" -m pytest -m gpu -q ${TEST_PATHS:-tests} \
   -p no:cacheprovider --junitxml="$OUT/junit.xml" -rfEs --tb=short $XDIST \
   --maxfail="${MAXFAIL:-40}" --durations=15 ${PYTEST_ARGS:-}
 step sanitize "${SAN_TIMEOUT:-180}" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
   compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 30 \
-  "$PY" tests/kernels/sanitize_gemm.py ${SAN_ARGS:---configs all}
+  "$PY" tests/backends/sm90/sanitize_gemm.py ${SAN_ARGS:---configs all}
 step racecheck "${RACE_TIMEOUT:-300}" compute-sanitizer --tool racecheck --error-exitcode 9 \
-  --print-limit 30 "$PY" tests/kernels/sanitize_gemm.py --quick --configs all
+  --print-limit 30 "$PY" tests/backends/sm90/sanitize_gemm.py --quick --configs all
 if want bench; then
   B=$(( $(left) - ${BENCH_MARGIN:-60} ))
   [ "$B" -lt 30 ] && B=30
