@@ -21,12 +21,14 @@ __all__ = [
     "dequantize_activation", "reference_gemm", "block_fp8_gemm", "fp8_linear", "rms_norm_quant",
     "silu_mul_quant", "FP8Linear",
     "quantize_model", "fp8_modules", "load_fp8_checkpoint", "save_fp8_checkpoint",
+    "from_pretrained",
 ]
 
 
 def __getattr__(name):
-    # checkpoint I/O imports safetensors lazily: the core needs only torch
-    if name in ("load_fp8_checkpoint", "save_fp8_checkpoint"):
+    # checkpoint I/O imports safetensors (and from_pretrained transformers) lazily: the core
+    # needs only torch
+    if name in ("load_fp8_checkpoint", "save_fp8_checkpoint", "from_pretrained"):
         from . import checkpoint
         return getattr(checkpoint, name)
     raise AttributeError(name)

@@ -151,10 +151,18 @@ def quantize_model(model: nn.Module, skip: Iterable[str] | str = ("lm_head",),
     def skipped(name: str) -> bool:
         return any(p in name or fnmatch.fnmatch(name, p) for p in skip)
 
-    targets = [(n, m) for n, m in model.named_modules()
+    targets = [n for n, m in model.named_modules()
                if isinstance(m, nn.Linear) and not skipped(n)
                and min(m.in_features, m.out_features) >= min_features]
-    for name, lin in targets:
+    return replace_linears(model, targets, ue8m0)
+
+
+def replace_linears(model: nn.Module, names: Iterable[str], ue8m0: bool = False) -> nn.Module:
+    """Replace the nn.Linear layers named ``names`` (exact module names) by FP8Linear."""
+    for name in names:
+        lin = model.get_submodule(name)
+        if not isinstance(lin, nn.Linear):
+            raise TypeError(f"'{name}' is a {type(lin).__name__}, not an nn.Linear")
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         if lin.weight.device.type == "meta":  # nothing to quantize: the shapes only
