@@ -87,6 +87,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 0 <= value < 2**63 - 1:  # torch's generator takes 64 bits; the demo uses seed + 1
+        raise argparse.ArgumentTypeError(f"expected 0 to {2**63 - 2}, got {value}")
+    return value
+
+
 def _device(text: str) -> str:
     kind, _, index = text.partition(":")
     if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
@@ -124,7 +134,7 @@ def make_parser() -> argparse.ArgumentParser:
                                     "it with the original (no downloads)")
     d.add_argument("--device", type=_device,
                    help="cpu, cuda or cuda:N (default: cuda when available)")
-    d.add_argument("--seed", type=int)
+    d.add_argument("--seed", type=_seed)
     d.add_argument("--layers", type=_positive_int, help="number of transformer layers")
     d.add_argument("--json", action="store_true", help="machine-readable output")
     d.set_defaults(func=_demo)

@@ -57,6 +57,25 @@ def test_ctrl_c_cleans_up_and_exits_130(ckpt, capsys, monkeypatch):
     assert sorted(p.name for p in ckpt.iterdir()) == ["in"]
 
 
+def test_a_real_sigint_exits_130_without_a_traceback(ckpt):
+    # the signal itself (not a raised KeyboardInterrupt), in the middle of the conversion
+    code = ("import os, signal, sys\n"
+            "from fp8linear.checkpoint import convert\n"
+            "real = convert.quantize_weight\n"
+            "def interrupted(*a, **kw):\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    return real(*a, **kw)\n"
+            "convert.quantize_weight = interrupted\n"
+            "from fp8linear.cli import main\n"
+            f"sys.exit(main(['quantize', {str(ckpt / 'in')!r}, {str(ckpt / 'out')!r}]))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 130
+    assert p.stderr.splitlines()[-1] == "fp8linear quantize: interrupted"
+    assert "Traceback" not in p.stderr
+    assert sorted(p.name for p in ckpt.iterdir()) == ["in"]
+
+
 def test_a_killed_runs_temporary_folder_is_removed_by_the_next_run(ckpt, capsys):
     p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                        capture_output=True, text=True)
@@ -95,7 +114,8 @@ def test_info_exits_1_on_a_scale_of_the_wrong_shape(ckpt, capsys):
     (["--layers", "two"], "argument --layers: expected a whole number, got 'two'"),
     (["--device", "gpu"], "argument --device: expected cpu, cuda or cuda:N, got 'gpu'"),
     (["--device", "cpu:1"], "argument --device: expected cpu, cuda or cuda:N, got 'cpu:1'"),
-    (["--seed", "x"], "argument --seed: invalid int value: 'x'"),
+    (["--seed", "x"], "argument --seed: expected a whole number, got 'x'"),
+    (["--seed", str(2**70)], f"argument --seed: expected 0 to {2**63 - 2}, got {2**70}"),
 ])
 def test_demo_bad_arguments(args, message, capsys):
     with pytest.raises(SystemExit) as e:

@@ -273,3 +273,12 @@ def test_quantize_model_on_the_meta_device_makes_empty_layers():
     assert isinstance(layer, FP8Linear) and layer.weight.device.type == "meta"
     assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale_inv.shape == (3, 2)
     assert layer.bias.dtype == torch.float32  # the original layer's dtype
+
+
+def test_replace_linears_takes_exact_names():
+    from fp8linear.module import replace_linears
+    model = replace_linears(Tiny(), ["layers.0.attn"])  # a pattern would also match more
+    assert _names(model) == ["layers.0.attn"]
+    with pytest.raises(TypeError) as e:
+        replace_linears(model, ["norm"])
+    assert str(e.value) == "'norm' is a LayerNorm, not an nn.Linear"

@@ -216,7 +216,9 @@ def save_fp8_checkpoint(model: nn.Module, path, max_shard_bytes: int = DEFAULT_M
         save_file(tensors, str(path / fname), metadata={"format": "pt"})
         weight_map.update({n: fname for n in shard})
     total_size = sum(state[n].numel() * state[n].element_size() for n in names)
-    write_index(path, weight_map, total_size)
+    # shards an earlier save left here are still fp8linear's (a later --force may remove them)
+    earlier = (written_files(path) or set()) & {p.name for p in path.iterdir()}
+    write_index(path, weight_map, total_size, earlier)
 
     if config is None:
         if hasattr(getattr(model, "config", None), "to_dict"):

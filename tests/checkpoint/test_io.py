@@ -302,3 +302,12 @@ def test_load_hints_name_the_actual_mismatch(saved, tmp_path):
         f"tensor 'model.layers.0.self_attn.q_proj.weight_scale_inv' is missing from the "
         f"checkpoint ({tmp_path / 'bf16' / INDEX_NAME}) (the checkpoint is not quantized: "
         f"convert it with `fp8linear quantize`)")
+
+
+def test_the_index_lists_the_files_fp8linear_wrote(tmp_path):
+    save_fp8_checkpoint(quantized_tiny(), tmp_path, max_shard_bytes=200_000)
+    first = json.loads((tmp_path / INDEX_NAME).read_text())["metadata"]["fp8linear"]["files"]
+    assert first == sorted(["config.json", INDEX_NAME, *set(read_index(tmp_path).values())])
+    save_fp8_checkpoint(quantized_tiny(), tmp_path)  # one shard now; the old ones stay listed
+    files = json.loads((tmp_path / INDEX_NAME).read_text())["metadata"]["fp8linear"]["files"]
+    assert files == sorted({*first, "model.safetensors"})
