@@ -2,7 +2,8 @@
 
 Checks here read only metadata (dtype, device, shape, stride), never tensor values, so the
 hot path has no host synchronisation and stays capturable by CUDA graphs and torch.compile.
-Value checks (finite scales) run once when weights load: see ``check_weight_scale_values``.
+Value checks (finite, positive scales) run once when weights load: see
+``fp8linear.quant.check_scale_values``.
 """
 from __future__ import annotations
 
@@ -88,16 +89,6 @@ def _check_weight_steps(w, w_scale, name):
     _check_2d_contiguous(w_scale, f"{name}_scale_inv", torch.float32, w_scale.shape)
     if w_scale.device != w.device:
         _fail(f"{name}_scale_inv is on {w_scale.device} but {name} is on {w.device}")
-
-
-def check_weight_scale_values(w_scale: torch.Tensor, name: str = "weight_scale_inv") -> None:
-    """Reads the data (one host sync): run once at weight load, never per call."""
-    bad = ~torch.isfinite(w_scale)
-    if bool(bad.any()):
-        idx = tuple(int(i) for i in bad.nonzero()[0].tolist())
-        _fail(f"{name} has non-finite values (first at index {idx}, value "
-              f"{float(w_scale[idx])}): the checkpoint is corrupt or was quantized from "
-              f"weights holding inf/nan")
 
 
 def _check_bias(bias, n, device, name="bias"):

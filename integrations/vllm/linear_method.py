@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from fp8linear import fp8_linear, knobs
-from fp8linear.ops import check_weight, check_weight_scale_values
-from fp8linear.quant import BLOCK, FP8_DTYPE, cdiv
+from fp8linear.ops import check_weight
+from fp8linear.quant import BLOCK, FP8_DTYPE, cdiv, check_scale_values as check_values
 
 from . import compat
 from .sharding import ShardPlan, expand_block_rows, plan_shard, reblock_k_shard
@@ -47,10 +47,10 @@ def set_plain_parameter(layer: torch.nn.Module, name: str, data: torch.Tensor) -
 
 
 def check_scale_values(layer, scale: torch.Tensor, scale_name: str) -> None:
-    """The one data check (finite scales), run once per layer at load. Scales start as
+    """The one data check (finite, positive scales), run once per layer at load. Scales start as
     NaN, so a scale the checkpoint did not provide fails here too."""
     try:
-        check_weight_scale_values(scale, f"{layer_name(layer)}.{scale_name}")
+        check_values(scale, f"{layer_name(layer)}.{scale_name}")
     except ValueError as e:
         raise ValueError(f"{e} (a scale missing from the checkpoint shows up as NaN too)") \
             from None
