@@ -1,4 +1,5 @@
-"""GPU correctness suite of the CUDA backends behind block_fp8_gemm / fp8_linear (issues 3, 4).
+"""GPU correctness suite of the CUDA backends behind block_fp8_gemm / fp8_linear (issues 3, 4):
+fp8linear/backends/sm90 and fp8linear/backends/triton.
 
 Every backend present runs (forced through FP8LINEAR_BACKEND): sm90 on compute capability 9.0
 (it must be available there: a Hopper machine with nvcc that cannot build it fails the suite,
@@ -24,7 +25,8 @@ unless FP8LINEAR_ALLOW_NO_SM90=1), triton on every CUDA GPU.
 - test_cuda_graph_replay: graph capture + replay equals eager, bit for bit, over several
   replays with new inputs.
 
-FP8LINEAR_GPU_CASES sets the number of random shapes per backend (default 208).
+FP8LINEAR_GPU_CASES sets the number of random shapes per backend (default 208). The sm90 tests
+that sweep tiles and decode variants force them with fp8linear.backends.sm90.plan.forced.
 """
 from __future__ import annotations
 
@@ -37,8 +39,11 @@ import pytest
 import torch
 
 import fp8linear
-from fp8linear.kernels import heuristics
-from fp8linear.quant import BLOCK
+from fp8linear.backends import dispatch
+from fp8linear.backends.sm90 import launch as sm90_launch
+from fp8linear.backends.sm90 import plan as sm90_plan
+from fp8linear.backends.sm90.tiles import DECODE_TILES, GEMM_TILES
+from fp8linear.quant import BLOCK, cdiv
 
 N_CASES = int(os.environ.get("FP8LINEAR_GPU_CASES", "208"))
 REL_TOL = 2e-3          # relative Frobenius error, whole output (issue 3)
@@ -65,7 +70,7 @@ FIXED = [
     (7, 4096, 14336), (16, 7168, 2048), (33, 1000, 1040), (64, 2112, 7168), (65, 264, 400),
     (128, 4096, 7168), (256, 520, 4112), (300, 1000, 1040), (511, 8, 16), (1024, 6144, 4096),
     (2048, 264, 16), (4096, 4096, 512), (8192, 1032, 1040), (8192, 4096, 1024),
-    (2, 4096, 7168), (12, 2560, 8192),  # (4 K splits at two CTAs an SM: heuristics.py)
+    (2, 4096, 7168), (12, 2560, 8192),  # (4 K splits at two CTAs an SM: sm90/plan.py)
 ]
 # shapes only the Triton path takes (N % 8 or K % 16 nonzero)
 FIXED_UNALIGNED = [(1, 77, 100), (2, 3, 8), (5, 1001, 1037), (130, 129, 129), (1000, 300, 50),
@@ -149,7 +154,7 @@ def _select(backend: str, monkeypatch):
         if torch.cuda.get_device_capability() != (9, 0):
             pytest.skip("the sm90 backend needs compute capability 9.0 (Hopper)")
         try:
-            from fp8linear.kernels import sm90
+            from fp8linear.backends.sm90 import backend as sm90
             ok = sm90.available()
             why = "sm90.available() is False (kernel build failed or nvcc missing)"
         except Exception as e:  # noqa: BLE001 - report whatever broke
@@ -160,14 +165,14 @@ def _select(backend: str, monkeypatch):
             pytest.fail(f"on a Hopper GPU the sm90 backend must be available: {why}")
     else:
         try:
-            from fp8linear.kernels import triton_gemm  # noqa: F401
+            from fp8linear.backends.triton import gemm  # noqa: F401
         except Exception as e:  # noqa: BLE001
             pytest.skip(f"the triton backend is not importable: {type(e).__name__}: {e}")
     monkeypatch.setenv("FP8LINEAR_BACKEND", backend)
 
 
 def _backend_used(m, n, k) -> str:
-    mod = heuristics.backend_for(torch.device(DEVICE), m, n, k)
+    mod = dispatch.backend_for(torch.device(DEVICE), m, n, k)
     return getattr(mod, "name", mod.__name__)
 
 
@@ -393,53 +398,51 @@ def _config_cases(config: int, count: int = 24) -> list[dict]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", range(len(heuristics.SM90_GEMM_CONFIGS)))
+@pytest.mark.parametrize("config", range(len(GEMM_TILES)))
 def test_sm90_every_gemm_config(config, monkeypatch):
-    """Every tile configuration of the large-M kernel (the heuristic picks only some per
-    shape), forced through FP8LINEAR_SM90_GEMM_CONFIG, on random shapes and edge cases."""
+    """Every tile configuration of the large-M kernel (the rules pick only some per shape),
+    forced through plan.forced(gemm_config=...), on random shapes and edge cases."""
     _select("sm90", monkeypatch)
-    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_CONFIG", str(config))
-    for case in _config_cases(config):
-        m, n, k = case["m"], case["n"], case["k"]
-        assert heuristics.sm90_plan(m, n, k, 132) == ("gemm", config)
-        _check_case(case, f"sm90 config {config} {_case_id(case)}", linear=False)
+    with sm90_plan.forced(gemm_config=config):
+        for case in _config_cases(config):
+            m, n, k = case["m"], case["n"], case["k"]
+            assert sm90_plan.choose(m, n, k, 132) == sm90_plan.GemmPlan(config)
+            _check_case(case, f"sm90 config {config} {_case_id(case)}", linear=False)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages", ["", "1", "64"])  # the rule's count, one, the whole ring
-@pytest.mark.parametrize("config", range(len(heuristics.SM90_GEMM_CONFIGS)))
+@pytest.mark.parametrize("stages", [None, 1, 64])  # the rule's count, one, the whole ring
+@pytest.mark.parametrize("config", range(len(GEMM_TILES)))
 def test_sm90_gemm_early_weights(config, stages, monkeypatch):
     """Every configuration with its first weight stages requested before griddepcontrol.wait
-    (FP8LINEAR_SM90_GEMM_EARLY_B=1; as many as the rule picks, one, or the whole ring),
+    (forced gemm_early_b=True; as many as the rule picks, one, or the whole ring),
     through block_fp8_gemm and fp8_linear (whose GEMM runs behind the quant kernel under
     PDL): the early loads land in the stages the K loop then reads, for tiles with fewer K
     blocks than stages too, and the ring's later stages stay in step."""
     _select("sm90", monkeypatch)
-    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_CONFIG", str(config))
-    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_EARLY_B", "1")
-    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_EARLY_STAGES", stages)
-    for i, case in enumerate(_config_cases(config, count=10)):
-        _check_case(case, f"sm90 config {config} early {_case_id(case)}", linear=i % 2 == 1)
+    with sm90_plan.forced(gemm_config=config, gemm_early_b=True, gemm_early_stages=stages):
+        for i, case in enumerate(_config_cases(config, count=10)):
+            _check_case(case, f"sm90 config {config} early {_case_id(case)}",
+                        linear=i % 2 == 1)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("group", ["1", "3", "4"])
+@pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("config", [0, 3, 5, 7])
 def test_sm90_gemm_tile_order_bands(config, group, monkeypatch):
-    """The tile order's band of M units (FP8LINEAR_SM90_GEMM_GROUP_M; the rule picks 4, 8 or 16):
+    """The tile order's band of M units (forced gemm_group_m; the rule picks 4, 8 or 16):
     every tile is computed once, with ragged last bands (M units not a multiple of the band),
     for single CTAs and pairs sharing the weight tile, through both entry points."""
     _select("sm90", monkeypatch)
-    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_CONFIG", str(config))
-    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_GROUP_M", group)
-    for i, case in enumerate(_config_cases(config, count=8)):
-        _check_case(case, f"sm90 config {config} band {group} {_case_id(case)}",
-                    linear=i % 2 == 1)
+    with sm90_plan.forced(gemm_config=config, gemm_group_m=group):
+        for i, case in enumerate(_config_cases(config, count=8)):
+            _check_case(case, f"sm90 config {config} band {group} {_case_id(case)}",
+                        linear=i % 2 == 1)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [c for c, cfg in enumerate(heuristics.SM90_GEMM_CONFIGS)
-                                    if 128 % cfg[1] != 0 and cfg[1] != 192])
+@pytest.mark.parametrize("config", [c for c, t in enumerate(GEMM_TILES)
+                                    if 128 % t.bn != 0 and t.bn != 192])
 @pytest.mark.parametrize("per_row", [False, True])
 @pytest.mark.parametrize("out", ["bf16", "fp16"])
 def test_sm90_tiles_straddling_scale_blocks(config, per_row, out, monkeypatch):
@@ -450,8 +453,7 @@ def test_sm90_tiles_straddling_scale_blocks(config, per_row, out, monkeypatch):
     case), is a multiple of neither the tile nor 128 and gives an odd tile count (a pair's
     second CTA then lies past N); K has a partial last block."""
     _select("sm90", monkeypatch)
-    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_CONFIG", str(config))
-    bn = heuristics.SM90_GEMM_CONFIGS[config][1]
+    bn = GEMM_TILES[config].bn
     n = 6 * bn + 40                                    # 7 tiles, the last one partial
     m, k = 300, 1040
     c = {"m": m, "n": n, "k": k, "per_row": per_row, "out": out, "bias": "out",
@@ -460,9 +462,10 @@ def test_sm90_tiles_straddling_scale_blocks(config, per_row, out, monkeypatch):
     ref, mag = reference(a, a_s, wq, ws, bias)
     dt = DTYPES[out]
     got = _poisoned(m, n, dt)
-    fp8linear.block_fp8_gemm(a, a_s, wq, ws, out_dtype=dt, out=got, bias=bias)
-    torch.cuda.synchronize()
-    assert heuristics.sm90_plan(m, n, k, 132) == ("gemm", config)
+    with sm90_plan.forced(gemm_config=config):
+        fp8linear.block_fp8_gemm(a, a_s, wq, ws, out_dtype=dt, out=got, bias=bias)
+        torch.cuda.synchronize()
+        assert sm90_plan.choose(m, n, k, 132) == sm90_plan.GemmPlan(config)
     assert_close(got, ref, mag, f"config {config} N={n} per_row={per_row} {out}", bias=bias)
 
 
@@ -483,8 +486,7 @@ def _same_bits_each_run(runs, a, a_s, wq, ws, bias, ref, mag, what):
     return first
 
 
-_SPLIT_TAIL = [c for c in range(len(heuristics.SM90_GEMM_CONFIGS))
-               if heuristics.gemm_split_tail(c)]
+_SPLIT_TAIL = [c for c, t in enumerate(GEMM_TILES) if t.split_tail]
 
 
 @pytest.mark.gpu
@@ -504,16 +506,16 @@ def test_sm90_split_tail_parts_sum_deterministically(config, m, n, k, per_row, m
     same bits in 20 runs whoever arrives last; the tile counters are left at zero (fp8_linear
     on the same stream reuses them)."""
     _select("sm90", monkeypatch)
-    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_CONFIG", str(config))
     c = {"m": m, "n": n, "k": k, "per_row": per_row, "out": "bf16", "bias": "out",
          "seed": _seed("split_tail", m, n, k, per_row)}
     x, a, a_s, wq, ws, bias = make_data(c)
     ref, mag = reference(a, a_s, wq, ws, bias)
-    _same_bits_each_run(20, a, a_s, wq, ws, bias, ref, mag,
-                        f"split tail M={m} N={n} K={k} per_row={per_row}")
-    # fp8_linear (the quant kernel, then the split-tail GEMM under PDL) on the same stream
-    got = fp8linear.fp8_linear(x, wq, ws, bias=bias)
-    torch.cuda.synchronize()
+    with sm90_plan.forced(gemm_config=config):
+        _same_bits_each_run(20, a, a_s, wq, ws, bias, ref, mag,
+                            f"split tail M={m} N={n} K={k} per_row={per_row}")
+        # fp8_linear (the quant kernel, then the split-tail GEMM under PDL) on the same stream
+        got = fp8linear.fp8_linear(x, wq, ws, bias=bias)
+        torch.cuda.synchronize()
     assert_close(got, ref, mag, f"split tail fp8_linear M={m} N={n} K={k}", bias=bias)
 
 
@@ -522,7 +524,7 @@ def test_sm90_split_tail_parts_sum_deterministically(config, m, n, k, per_row, m
 def test_sm90_split_tail_without_workspace_is_an_error(config):
     """The extension refuses a split-tail launch without its workspace and counters (the
     Python side always passes them) instead of letting the kernel write through null."""
-    from fp8linear.kernels import build
+    from fp8linear.backends.sm90 import build
     *_, wq, ws, _ = make_data({"m": 300, "n": 1000, "k": 4096, "per_row": False,
                                "out": "bf16", "bias": None, "seed": 7})
     x = torch.randn(300, 4096, device=DEVICE).to(torch.bfloat16)
@@ -532,7 +534,7 @@ def test_sm90_split_tail_without_workspace_is_an_error(config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", range(len(heuristics.SM90_GEMM_CONFIGS)))
+@pytest.mark.parametrize("config", range(len(GEMM_TILES)))
 @pytest.mark.parametrize("extra", [8, 7])    # 7: the moved block's first row rounded up to x4
 def test_sm90_last_m_block_moved_in_bounds(config, extra, monkeypatch):
     """When M is not a multiple of the tile's rows, the last M block is moved up to end at row
@@ -540,20 +542,21 @@ def test_sm90_last_m_block_moved_in_bounds(config, extra, monkeypatch):
     write the same bits, equal to an in-bounds run over the first rows alone, and every run
     the same (a race between unequal values would show as run-to-run differences)."""
     _select("sm90", monkeypatch)
-    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_CONFIG", str(config))
-    bm = heuristics.SM90_GEMM_CONFIGS[config][0]
+    bm = GEMM_TILES[config].bm
     m, n, k = 2 * bm + bm // 2 + extra, 392, 640      # last block moved up by ~3/8 of a tile
     c = {"m": m, "n": n, "k": k, "per_row": False, "out": "bf16", "bias": "out",
          "seed": _seed("moved", config, m)}
     x, a, a_s, wq, ws, bias = make_data(c)
     ref, mag = reference(a, a_s, wq, ws, bias)
-    first = _same_bits_each_run(5, a, a_s, wq, ws, bias, ref, mag, f"config {config} M={m}")
-    if heuristics.gemm_split_tail(config):
-        return  # (a split tail never moves a block; M sets its split of K, and so its bits)
-    top = 2 * bm                                      # whole blocks only: nothing moved
-    part = _poisoned(top, n, torch.bfloat16)
-    fp8linear.block_fp8_gemm(a[:top], a_s[:top].contiguous(), wq, ws, out=part, bias=bias)
-    torch.cuda.synchronize()
+    with sm90_plan.forced(gemm_config=config):
+        first = _same_bits_each_run(5, a, a_s, wq, ws, bias, ref, mag,
+                                    f"config {config} M={m}")
+        if GEMM_TILES[config].split_tail:
+            return  # (a split tail never moves a block; M sets its split of K, and so its bits)
+        top = 2 * bm                                      # whole blocks only: nothing moved
+        part = _poisoned(top, n, torch.bfloat16)
+        fp8linear.block_fp8_gemm(a[:top], a_s[:top].contiguous(), wq, ws, out=part, bias=bias)
+        torch.cuda.synchronize()
     diff = int((part.view(torch.int16) != first[:top]).sum())
     assert diff == 0, f"config {config}: {diff} elements of the shared rows differ"
 
@@ -591,78 +594,69 @@ def test_sm90_bias_view_at_odd_offset(m, bias_dtype, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cluster", ["0", "1"])
 @pytest.mark.parametrize("ctas", [1, 2])
-def test_sm90_decode_ctas_per_sm(ctas, cluster, monkeypatch):
+def test_sm90_decode_ctas_per_sm(ctas, monkeypatch):
     """Both decode kernel variants (one CTA an SM with the whole register file, or two with
-    half the shared memory each), forced through FP8LINEAR_SM90_DECODE_CTAS, M 1..32, with
-    the split reduction through the workspace or (2..8 splits) in a cluster's shared memory."""
+    half the shared memory each), forced through plan.forced(decode_ctas=...), M 1..32, the
+    split reduction through the workspace."""
     _select("sm90", monkeypatch)
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CTAS", str(ctas))
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CLUSTER", cluster)
-    # (K <= 8192: longer K ranges per CTA keep one CTA an SM, see _decode_ctas_per_sm; and
-    # 17-32 tokens over short K take 64x64 tiles of the large-M kernel)
-    # (CTAs owning fewer rows than 64 / 128 run one an SM)
-    cases = [c for c in _sm90_only(gen_cases("sm90", count=400, seed=200))
-             if c["m"] <= 32 and c["k"] <= 8192
-             and (plan := heuristics.sm90_plan(c["m"], c["n"], c["k"], 132))[0] == "decode"
-             and plan[4] in (64, 128)][:30]
-    clustered = 0
-    for case in cases:
-        m, n, k = case["m"], case["n"], case["k"]
-        plan = heuristics.sm90_plan(m, n, k, 132)
-        assert plan[0] == "decode" and plan[3] == ctas, plan
-        clustered += heuristics.sm90_decode_cluster_reduce(*plan[1:3])
-        _check_case(case, f"sm90 decode ctas={ctas} cluster={cluster} {_case_id(case)}")
-    assert (clustered > 0) == (cluster == "1"), clustered
+    with sm90_plan.forced(decode_ctas=ctas):
+        # (K <= 8192: longer K ranges per CTA keep one CTA an SM, see _decode_ctas_per_sm; and
+        # 17-32 tokens over short K take 64x64 tiles of the large-M kernel)
+        # (CTAs owning fewer rows than 64 / 128 run one an SM)
+        cases = [c for c in _sm90_only(gen_cases("sm90", count=400, seed=200))
+                 if c["m"] <= 32 and c["k"] <= 8192
+                 and (p := sm90_plan.choose(c["m"], c["n"], c["k"], 132)).kind == "decode"
+                 and p.rows in (64, 128)][:30]
+        assert cases
+        for case in cases:
+            m, n, k = case["m"], case["n"], case["k"]
+            p = sm90_plan.choose(m, n, k, 132)
+            assert p.kind == "decode" and p.ctas_per_sm == ctas, p
+            _check_case(case, f"sm90 decode ctas={ctas} {_case_id(case)}")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,ctas,cluster,splits", [
-    (64, 1, "0", ""), (64, 2, "0", ""), (64, 2, "1", ""), (64, 2, "0", "1"),
-    (64, 1, "0", "3"), (64, 2, "1", "2"), (128, 2, "0", "3"),
-    (80, 1, "0", ""), (112, 1, "0", "2"), (80, 1, "1", "2"), (96, 1, "0", "3"),
-    (72, 1, "0", ""), (120, 1, "1", "3")])
-def test_sm90_decode_rows_and_splits(rows, ctas, cluster, splits, monkeypatch):
+@pytest.mark.parametrize("rows,ctas,splits", [
+    (64, 1, None), (64, 2, None), (64, 2, 1), (64, 1, 3), (64, 2, 2), (128, 2, 3),
+    (80, 1, None), (112, 1, 2), (80, 1, 2), (96, 1, 3), (72, 1, None), (120, 1, 3)])
+def test_sm90_decode_rows_and_splits(rows, ctas, splits, monkeypatch):
     """Decode CTAs of 64 weight rows (the two math warpgroups take alternate K blocks and add
     their partials in shared memory), 128-row CTAs owning 72..120 rows (the rest of their
     ring rows are stale and never stored; rows straddle two 128-row scale blocks) and
-    forced split counts, with the reduction through the workspace or a cluster, and the early
-    PDL trigger; M 1..32 (K ranges of one block included: warpgroup 1 then adds nothing)."""
+    forced split counts, with the reduction through the workspace, and the early PDL trigger;
+    M 1..32 (K ranges of one block included: warpgroup 1 then adds nothing)."""
     _select("sm90", monkeypatch)
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_ROWS", str(rows))
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CTAS", str(ctas))
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CLUSTER", cluster)
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_SPLITS", splits)
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_EARLY_TRIGGER", "1" if splits else "0")
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_MAX_M", "32")
-    cases = [c for c in _sm90_only(gen_cases("sm90", count=400, seed=500 + rows + ctas))
-             if c["m"] <= 32 and c["k"] <= 8192
-             and heuristics.sm90_plan(c["m"], c["n"], c["k"], 132)[0] == "decode"][:16]
-    for case in cases:
-        plan = heuristics.sm90_plan(case["m"], case["n"], case["k"], 132)
-        assert plan[4] == rows, plan
-        assert not splits or plan[2] in (int(splits), heuristics.cdiv(case["k"], 128)), plan
-        _check_case(case, f"sm90 decode {plan} cluster={cluster} {_case_id(case)}")
+    with sm90_plan.forced(decode_rows=rows, decode_ctas=ctas, decode_splits=splits,
+                          decode_early_trigger=splits is not None, decode_max_m=32):
+        cases = [c for c in _sm90_only(gen_cases("sm90", count=400, seed=500 + rows + ctas))
+                 if c["m"] <= 32 and c["k"] <= 8192
+                 and sm90_plan.choose(c["m"], c["n"], c["k"], 132).kind == "decode"][:16]
+        assert cases
+        for case in cases:
+            p = sm90_plan.choose(case["m"], case["n"], case["k"], 132)
+            assert p.rows == rows, p
+            assert splits is None or p.splits in (splits, cdiv(case["k"], 128)), p
+            _check_case(case, f"sm90 decode {p} {_case_id(case)}")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fuse", ["0", "1"])
+@pytest.mark.parametrize("fuse", [False, True])
 def test_sm90_decode_fused_quantization(fuse, monkeypatch):
     """fp8_linear at M <= 16 with the activation quantization inside the decode kernel
-    wherever the slice fits (FP8LINEAR_SM90_FUSE_QUANT=1: also M = 9-16 and long K ranges),
-    or never (=0: the separate quant kernel); bf16 and fp16 inputs, tails in K."""
+    wherever the slice fits (forced fuse_quant=True: also M = 9-16 and long K ranges),
+    or never (False: the separate quant kernel); bf16 and fp16 inputs, tails in K."""
     _select("sm90", monkeypatch)
-    monkeypatch.setenv("FP8LINEAR_SM90_FUSE_QUANT", fuse)
     cases = [c for c in _sm90_only(gen_cases("sm90", count=600, seed=400))
              if c["m"] <= 16][:24]
     fused = 0
-    for case in cases:
-        m, n, k = case["m"], case["n"], case["k"]
-        plan = heuristics.sm90_plan(m, n, k, 132)
-        fused += heuristics.sm90_fuse_quant(m, k, plan)
-        _check_case(case, f"sm90 fuse={fuse} {_case_id(case)}")
-    assert (fused > 0) == (fuse == "1"), fused
+    with sm90_plan.forced(fuse_quant=fuse):
+        for case in cases:
+            m, n, k = case["m"], case["n"], case["k"]
+            p = sm90_plan.choose(m, n, k, 132)
+            fused += sm90_launch.fuse_quant(m, k, p)
+            _check_case(case, f"sm90 fuse={fuse} {_case_id(case)}")
+    assert (fused > 0) == fuse, fused
 
 
 def _ext_quant(ext, x):
@@ -684,7 +678,7 @@ def test_sm90_quant_kernel_bit_exact(dtype, monkeypatch):
     over many orders of magnitude, signed zeros, tails in K (NaN inputs: the next test); both
     of the kernel's shapes (narrow below 1024 tokens, wide from 1024)."""
     _select("sm90", monkeypatch)
-    from fp8linear.kernels import build
+    from fp8linear.backends.sm90 import build
     ext = build.load()
     g = torch.Generator(device=DEVICE).manual_seed(_seed("quant-bits", dtype))
     for m, k in ((1, 128), (7, 4096), (33, 7168 + 16), (64, 1552), (257, 2064), (1100, 1040)):
@@ -709,7 +703,7 @@ def test_sm90_quantization_nan_makes_its_group_nan(dtype, monkeypatch):
     kernel and in the decode kernel's fused quantization (fp8_linear then gives NaN in that
     token's outputs only, as block_fp8_gemm on the reference's quantization does)."""
     _select("sm90", monkeypatch)
-    from fp8linear.kernels import build
+    from fp8linear.backends.sm90 import build
     ext = build.load()
     g = torch.Generator(device=DEVICE).manual_seed(_seed("quant-nan", dtype))
     m, k = 6, 4096 + 16
@@ -734,19 +728,18 @@ def test_sm90_quantization_nan_makes_its_group_nan(dtype, monkeypatch):
                        want_s.view(torch.int32)[~nan_groups])
     if dtype == "fp32":  # (the decode kernel quantizes 16-bit activations only)
         return
-    monkeypatch.setenv("FP8LINEAR_SM90_FUSE_QUANT", "1")
-    heuristics.reload_env()
     n = 2112
-    plan = heuristics.sm90_plan(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
-    assert heuristics.sm90_fuse_quant(m, k, plan), plan
     c = dict(m=m, n=n, k=k, out=dtype, per_row=False, bias=None, seed=_seed("quant-nan-w", dtype))
     _, _, _, wq, ws, _ = make_data(c)
-    y = fp8linear.fp8_linear(x, wq, ws)
-    want = fp8linear.block_fp8_gemm(want_q, want_s, wq, ws, out_dtype=x.dtype)
-    torch.cuda.synchronize()
+    with sm90_plan.forced(fuse_quant=True):
+        p = sm90_plan.choose(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+        assert sm90_launch.fuse_quant(m, k, p), p
+        y = fp8linear.fp8_linear(x, wq, ws)
+        want = fp8linear.block_fp8_gemm(want_q, want_s, wq, ws, out_dtype=x.dtype)
+        torch.cuda.synchronize()
     bad_rows = torch.tensor([False, True, False, False, True, False], device=DEVICE)
     assert torch.isnan(y[bad_rows]).all() and not torch.isnan(y[~bad_rows]).any()
-    assert torch.equal(y[~bad_rows].view(torch.int16), want[~bad_rows].view(torch.int16)), plan
+    assert torch.equal(y[~bad_rows].view(torch.int16), want[~bad_rows].view(torch.int16)), p
 
 
 @pytest.mark.gpu
@@ -756,39 +749,40 @@ def test_sm90_fused_quantization_bit_exact(monkeypatch):
     fused quantization is exactly the reference's, at every token count and K range it
     serves, bf16 and fp16 inputs."""
     _select("sm90", monkeypatch)
-    monkeypatch.setenv("FP8LINEAR_SM90_FUSE_QUANT", "1")
-    heuristics.reload_env()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     fused = 0
-    for i, (m, n, k, dt) in enumerate(((1, 2112, 7168, "bf16"), (4, 4096, 4096, "fp16"),
-                                       (8, 6144, 4096, "bf16"), (13, 1024, 2064, "bf16"),
-                                       (16, 4096, 7168, "fp16"), (3, 576, 7168, "bf16"))):
-        c = dict(m=m, n=n, k=k, out=dt, per_row=i % 2 == 1, bias=None,
-                 seed=_seed("fused-bits", m, n, k))
-        x, a, a_s, wq, ws, _ = make_data(c)
-        plan = heuristics.sm90_plan(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
-        fused += heuristics.sm90_fuse_quant(m, k, plan)
-        y = fp8linear.fp8_linear(x, wq, ws)
-        want = fp8linear.block_fp8_gemm(a, a_s, wq, ws, out_dtype=x.dtype)
-        torch.cuda.synchronize()
-        assert torch.equal(y.view(torch.int16), want.view(torch.int16)), f"{plan} {c}"
+    with sm90_plan.forced(fuse_quant=True):
+        for i, (m, n, k, dt) in enumerate(((1, 2112, 7168, "bf16"), (4, 4096, 4096, "fp16"),
+                                           (8, 6144, 4096, "bf16"), (13, 1024, 2064, "bf16"),
+                                           (16, 4096, 7168, "fp16"), (3, 576, 7168, "bf16"))):
+            c = dict(m=m, n=n, k=k, out=dt, per_row=i % 2 == 1, bias=None,
+                     seed=_seed("fused-bits", m, n, k))
+            x, a, a_s, wq, ws, _ = make_data(c)
+            p = sm90_plan.choose(m, n, k, sms)
+            fused += sm90_launch.fuse_quant(m, k, p)
+            y = fp8linear.fp8_linear(x, wq, ws)
+            want = fp8linear.block_fp8_gemm(a, a_s, wq, ws, out_dtype=x.dtype)
+            torch.cuda.synchronize()
+            assert torch.equal(y.view(torch.int16), want.view(torch.int16)), f"{p} {c}"
     assert fused >= 4, fused
 
 
 @pytest.mark.gpu
 def test_sm90_decode_kernel_up_to_256_tokens(monkeypatch):
-    """FP8LINEAR_SM90_DECODE_MAX_M=256 runs the split-K decode kernel at 33..256 tokens with
+    """Forced decode_max_m=256 runs the split-K decode kernel at 33..256 tokens with
     64- and 128-token tiles (one or two per weight-row tile), both weight-scale
     granularities (by default the large-M kernel takes M > 32)."""
     _select("sm90", monkeypatch)
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_MAX_M", "256")
     cases = [c for c in _sm90_only(gen_cases("sm90", count=600, seed=300))
              if 32 < c["m"] <= 256][:20]
     assert any(c["m"] <= 64 for c in cases) and any(c["m"] > 128 for c in cases)
-    for case in cases:
-        m, n, k = case["m"], case["n"], case["k"]
-        plan = heuristics.sm90_plan(m, n, k, 132)
-        assert plan[:2] == ("decode", 3 if m <= 64 else len(heuristics.SM90_DECODE_TILES) - 1)
-        _check_case(case, f"sm90 decode m={case['m']} {_case_id(case)}")
+    with sm90_plan.forced(decode_max_m=256):
+        for case in cases:
+            m, n, k = case["m"], case["n"], case["k"]
+            p = sm90_plan.choose(m, n, k, 132)
+            assert p.kind == "decode"
+            assert p.config == (3 if m <= 64 else len(DECODE_TILES) - 1), p
+            _check_case(case, f"sm90 decode m={case['m']} {_case_id(case)}")
 
 
 @pytest.mark.gpu
@@ -853,24 +847,22 @@ def test_determinism(backend, m, nk, per_row, monkeypatch):
 
 @pytest.mark.gpu
 def test_sm90_extension_rejects_bad_rows_and_oversized_quant(monkeypatch):
-    """Launch arguments the heuristics never produce are refused by the extension with a
+    """Launch arguments the plans never produce are refused by the extension with a
     message, before any launch: decode CTAs owning 72..120 rows at two an SM, a row count off
     the allowed set, and a quantization too large for the quant kernel's int indices (checked
     on stride-0 views, so nothing that size is allocated)."""
     _select("sm90", monkeypatch)
-    from fp8linear.kernels import build
+    from fp8linear.backends.sm90 import build
     ext = build.load()
     m, n, k = 1, 1024, 256
     x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
     wq, ws = fp8linear.quantize_weight(torch.randn(n, k, device=DEVICE))
     out = _poisoned(m, n, torch.bfloat16)
     with pytest.raises(RuntimeError, match="decode CTAs owning 72..120 rows run one an SM"):
-        ext.decode(x, None, wq, ws, False, None, out, 0, 13, 0, 80, 1, 2, False, False, False,
-                   False)
+        ext.decode(x, None, wq, ws, False, None, out, 0, 13, 0, 80, 1, 2, False, False, False)
     with pytest.raises(RuntimeError, match="rows must be 64 .token tiles <= 64., 128, or a "
                                            "multiple of 8 in 72..120"):
-        ext.decode(x, None, wq, ws, False, None, out, 0, 11, 0, 100, 1, 1, False, False, False,
-                   False)
+        ext.decode(x, None, wq, ws, False, None, out, 0, 11, 0, 100, 1, 1, False, False, False)
     torch.cuda.synchronize()
     assert bool(out.isnan().all()), "a rejected launch wrote to its output"
     big_m, big_k = 1 << 20, 8192           # 2^26 groups of 128 channels: 32 lanes each > 2^31
@@ -886,14 +878,14 @@ def test_sm90_decode_rejects_fp32_for_fused_quantization(monkeypatch):
     """The decode kernel quantizes bf16/fp16 activations itself; fp32 ones must go through
     the quant kernel first (quant_first), and the extension says so rather than launching."""
     _select("sm90", monkeypatch)
-    from fp8linear.kernels import build
+    from fp8linear.backends.sm90 import build
     m, n, k = 1, 128, 256
     x = torch.randn(m, k, device=DEVICE)
     wq, ws = fp8linear.quantize_weight(torch.randn(n, k, device=DEVICE))
     out = _poisoned(m, n, torch.bfloat16)
     with pytest.raises(RuntimeError, match="fused quantization takes bf16/fp16 activations"):
         build.load().decode(x, None, wq, ws, False, None, out, 0, 1, 0, 128, 1, 1, False,
-                            False, False, False)
+                            False, False)
     torch.cuda.synchronize()
     assert bool(out.isnan().all()), "a rejected launch wrote to its output"
 
@@ -904,10 +896,9 @@ def test_sm90_decode_concurrent_streams(monkeypatch):
     tiles' arrivals on its own counters (shared ones would let one stream's CTAs finish the
     other's tiles early); every result bit-identical to a lone run."""
     _select("sm90", monkeypatch)
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CLUSTER", "0")   # the workspace reduction
     m, n, k = 1, 2112, 7168
-    plan = heuristics.sm90_plan(m, n, k, 132)
-    assert plan[0] == "decode" and plan[2] > 1, plan
+    p = sm90_plan.choose(m, n, k, 132)
+    assert p.kind == "decode" and p.splits > 1, p
     data = []
     for i in range(2):
         c = {"m": m, "n": n, "k": k, "per_row": False, "out": "bf16", "bias": None,
@@ -938,9 +929,9 @@ def test_determinism_covers_split_k(monkeypatch):
     """The determinism shapes are meant to exercise sm90's split-K reduction."""
     _select("sm90", monkeypatch)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plans = {(m, n, k): heuristics.sm90_plan(m, n, k, sms)
+    plans = {(m, n, k): sm90_plan.choose(m, n, k, sms)
              for m in (1, 8, 32) for n, k in DET_SHAPES}
-    split = [p for p in plans.values() if p[0] == "decode" and len(p) > 2 and p[2] > 1]
+    split = [p for p in plans.values() if p.kind == "decode" and p.splits > 1]
     assert split, f"no determinism case uses split-K: {plans}"
 
 
@@ -954,9 +945,8 @@ def test_sm90_counters_made_during_a_capture_start_zeroed(monkeypatch):
     c = {"m": 1, "n": 2112, "k": 7168, "per_row": False, "out": "bf16", "bias": None,
          "seed": _seed("capture-counters")}
     x, a, a_s, wq, ws, bias = make_data(c)
-    plan = heuristics.sm90_plan(1, 2112, 7168,
-                                torch.cuda.get_device_properties(0).multi_processor_count)
-    assert plan[0] == "decode" and plan[2] > 1, f"not a split-K plan: {plan}"
+    p = sm90_plan.choose(1, 2112, 7168, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert p.kind == "decode" and p.splits > 1, f"not a split-K plan: {p}"
     fp8linear.block_fp8_gemm(a, a_s, wq, ws)  # (kernel attributes set outside any capture)
     torch.cuda.synchronize()
     s = torch.cuda.Stream()  # first used by our kernels inside the capture below

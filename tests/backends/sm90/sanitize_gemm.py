@@ -2,25 +2,28 @@
 """A handful of small shapes, once each, through the sm90 backend, for compute-sanitizer:
 
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 \
-      python tests/kernels/sanitize_gemm.py
-  compute-sanitizer --tool racecheck --error-exitcode 9 python tests/kernels/sanitize_gemm.py --quick
+      python tests/backends/sm90/sanitize_gemm.py
+  compute-sanitizer --tool racecheck --error-exitcode 9 \
+      python tests/backends/sm90/sanitize_gemm.py --quick
 
 (PYTORCH_NO_CUDA_MEMORY_CACHING=1 gives every tensor its own cudaMalloc, so memcheck sees a
 read or write past a tensor's end instead of landing silently in a neighbour of the
 allocator's pool.)
 
-Covers both sm90 paths as heuristics.sm90_plan picks them (decode: swap-AB, split-K, fused
-quant, M <= 32; large M: quant kernel + TMA/wgmma GEMM), tails in M, N and K (partial last
-scale blocks), both weight-scale granularities, bias, bf16 and fp16 outputs, block_fp8_gemm
-and fp8_linear. Data and references are made on the CPU, so the GPU runs little besides our
-kernels (and the instrumented run stays short). Exit code 0 only if every result is right.
-FP8LINEAR_SM90_GEMM_CONFIG=i runs every case through large-M configuration i (the cluster and
-128x192 configurations are not picked for shapes this small otherwise); --configs all runs the
-cases once as the heuristic plans them and then once under each configuration forced, in one
-process (one sanitizer start), and the decode cases again under DECODE_PLANS (the plans whose
-producer keeps a window of weight stages in flight: 128-row CTAs two an SM, and 64-row ones
-two an SM with split K, which relay their weight stages; the former are not picked for N
-this small otherwise).
+Covers both sm90 paths as fp8linear.backends.sm90.plan.choose picks them (decode: swap-AB,
+split-K, fused quant, M <= 32; large M: quant kernel + TMA/wgmma GEMM), tails in M, N and K
+(partial last scale blocks), both weight-scale granularities, bias, bf16 and fp16 outputs,
+block_fp8_gemm and fp8_linear. Data and references are made on the CPU, so the GPU runs little
+besides our kernels (and the instrumented run stays short). Exit code 0 only if every result
+is right. --configs i,j runs the cases again with each large-M configuration i, j forced
+(plan.forced(gemm_config=i): the cluster and 128x192 configurations are not picked for shapes
+this small otherwise); --configs all runs the cases once as the rules plan them and then once
+under each configuration forced, in one process (one sanitizer start), and the decode cases
+again under DECODE_PLANS (the plans whose producer keeps a window of weight stages in flight:
+128-row CTAs two an SM, and 64-row ones two an SM with split K, which relay their weight
+stages; the former are not picked for N this small otherwise). FP8LINEAR_BACKEND (--backend)
+stays an environment variable; the plans are forced through plan.forced, never the
+environment.
 """
 from __future__ import annotations
 
@@ -36,6 +39,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import fp8linear  # noqa: E402
+from fp8linear import knobs  # noqa: E402
+from fp8linear.backends.sm90 import plan as sm90_plan  # noqa: E402
+from fp8linear.backends.sm90.tiles import GEMM_TILES  # noqa: E402
 
 # (M, N, K, per_row, out dtype, bias)
 CASES = [
@@ -49,14 +55,12 @@ CASES = [
     (1000, 392, 1040, False, torch.bfloat16, False), # large-M path, several tiles
 ]
 QUICK = [0, 2, 5, 6, 7]   # racecheck is slow on warp-specialized kernels: fewer cases
-# decode plans forced for the decode cases under --configs all (knob sets)
+# decode plans forced for the decode cases under --configs all (plan.forced pieces)
 DECODE_PLANS = [
-    {"FP8LINEAR_SM90_DECODE_ROWS": "128", "FP8LINEAR_SM90_DECODE_CTAS": "2"},
-    {"FP8LINEAR_SM90_DECODE_ROWS": "128", "FP8LINEAR_SM90_DECODE_CTAS": "2",
-     "FP8LINEAR_SM90_DECODE_SPLITS": "3"},
+    {"decode_rows": 128, "decode_ctas": 2},
+    {"decode_rows": 128, "decode_ctas": 2, "decode_splits": 3},
     # 64-row CTAs two an SM with split K: the relaying producer (decode.cu relay_plan)
-    {"FP8LINEAR_SM90_DECODE_ROWS": "64", "FP8LINEAR_SM90_DECODE_CTAS": "2",
-     "FP8LINEAR_SM90_DECODE_SPLITS": "3"},
+    {"decode_rows": 64, "decode_ctas": 2, "decode_splits": 3},
 ]
 
 
@@ -68,11 +72,10 @@ def deq64(q, s):
     return q.double() * s.repeat_interleave(128, 1)[:, :k]
 
 
-def plan(m, n, k):
-    from fp8linear.kernels import heuristics
+def plan_of(m, n, k):
     try:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        return heuristics.sm90_plan(m, n, k, sms)
+        return sm90_plan.choose(m, n, k, sms)
     except Exception as e:  # noqa: BLE001
         return f"? ({e})"
 
@@ -122,45 +125,41 @@ def main(argv=None) -> int:
     elif not torch.cuda.is_available():
         print("sanitize_gemm: no CUDA device", file=sys.stderr)
         return 2
-    os.environ["FP8LINEAR_BACKEND"] = a.backend
+    os.environ[knobs.BACKEND.name] = a.backend
+    knobs.reload()
     t0 = time.time()
     if a.backend == "sm90":
-        from fp8linear.kernels import sm90
+        from fp8linear.backends.sm90 import backend as sm90
         if not sm90.available():
             print("sanitize_gemm: the sm90 backend is not available", file=sys.stderr)
             return 3
-    from fp8linear.kernels import heuristics
-    forced = [{}]  # knob sets; the heuristic's plans first
+    forced = [{}]  # plan pieces to force; the rules' plans first
     if a.configs:
-        n_cfg = len(heuristics.SM90_GEMM_CONFIGS)
-        forced += [{"FP8LINEAR_SM90_GEMM_CONFIG": str(c)}
-                   for c in (range(n_cfg) if a.configs == "all" else a.configs.split(","))]
+        forced += [{"gemm_config": int(c)}
+                   for c in (range(len(GEMM_TILES)) if a.configs == "all"
+                             else a.configs.split(","))]
         if a.configs == "all":
             forced += DECODE_PLANS
-    knob_names = {k for f in forced for k in f}
     fails = 0
-    for knobs in forced:
-        for name in knob_names:
-            os.environ.pop(name, None)
-        os.environ.update(knobs)
-        heuristics.reload_env()
-        decode_only = any(k.startswith("FP8LINEAR_SM90_DECODE") for k in knobs)
-        if knobs:
-            print("knobs: " + ",".join(f"{k}={v}" for k, v in knobs.items()), flush=True)
-        for i, case in enumerate(CASES):
-            if a.quick and i not in QUICK:
-                continue
-            if decode_only and case[0] > heuristics.SM90_DECODE_MAX_M:  # (not a decode case)
-                continue
-            m, n, k, per_row, dtype, with_bias = case
-            t = time.time()
-            errs = run_case(i, *case, dev=a.device)
-            status = "ok" if not errs else "FAIL " + "; ".join(errs)
-            fails += bool(errs)
-            print(f"case {i}: M={m} N={n} K={k} {'row' if per_row else 'blk'} "
-                  f"{str(dtype).split('.')[-1]} bias={with_bias} "
-                  f"plan={plan(m, n, k) if a.device == 'cuda' else '-'} "
-                  f"{time.time() - t:.1f}s {status}", flush=True)
+    for pieces in forced:
+        decode_only = any(k.startswith("decode_") for k in pieces)
+        if pieces:
+            print("forced: " + ",".join(f"{k}={v}" for k, v in pieces.items()), flush=True)
+        with sm90_plan.forced(**pieces):
+            for i, case in enumerate(CASES):
+                if a.quick and i not in QUICK:
+                    continue
+                if decode_only and case[0] > sm90_plan.DECODE_MAX_M:  # (not a decode case)
+                    continue
+                m, n, k, per_row, dtype, with_bias = case
+                t = time.time()
+                errs = run_case(i, *case, dev=a.device)
+                status = "ok" if not errs else "FAIL " + "; ".join(errs)
+                fails += bool(errs)
+                print(f"case {i}: M={m} N={n} K={k} {'row' if per_row else 'blk'} "
+                      f"{str(dtype).split('.')[-1]} bias={with_bias} "
+                      f"plan={plan_of(m, n, k) if a.device == 'cuda' else '-'} "
+                      f"{time.time() - t:.1f}s {status}", flush=True)
     print(f"sanitize_gemm: {'ALL OK' if not fails else f'{fails} FAILED'} "
           f"({time.time() - t0:.1f}s)", flush=True)
     return 1 if fails else 0

@@ -1,14 +1,19 @@
-"""fp8linear/kernels/sm90.py's glue on the CPU: what it hands the extension (tensors, layouts,
-flags) for each plan, with a recording stand-in for the compiled module. The kernels
-themselves are tested on the GPU (test_gemm_gpu.py); this keeps CI on the Python side of
-every launch."""
+"""fp8linear/backends/sm90/backend.py's glue on the CPU: what it hands the extension (tensors,
+layouts, flags) for each launch (launch.decide), with a recording stand-in for the compiled
+module. The kernels themselves are tested on the GPU (tests/backends/test_gemm_gpu.py); this
+keeps CI on the Python side of every launch."""
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 
 import fp8linear
-from fp8linear.kernels import heuristics, sm90
+from fp8linear import knobs
+from fp8linear.backends.sm90 import backend as sm90
+from fp8linear.backends.sm90 import launch, plan
+from fp8linear.backends.sm90.tiles import GEMM_TILES
 
 
 class Recorder:
@@ -25,23 +30,20 @@ class Recorder:
                                          tiles=tiles)))
 
     def decode(self, x, x_scale, w, w_scale, per_row, bias, out, ws_floats, tiles, config,
-               rows, splits, ctas_per_sm, pdl, early_trigger, cluster, quant_first):
+               rows, splits, ctas_per_sm, pdl, early_trigger, quant_first):
         self.calls.append(("decode", dict(x=x, x_scale=x_scale, ws_floats=ws_floats, tiles=tiles,
                                           config=config, rows=rows, splits=splits,
                                           ctas=ctas_per_sm, pdl=pdl, early=early_trigger,
-                                          cluster=cluster, quant_first=quant_first)))
+                                          quant_first=quant_first)))
 
 
 @pytest.fixture
 def ext(monkeypatch):
     rec = Recorder()
     monkeypatch.setattr(sm90.build, "load", lambda: rec)
-    monkeypatch.setattr(sm90, "_num_sms", lambda index: 132)
-    for knob in ("FP8LINEAR_PDL", "FP8LINEAR_SM90_GEMM_PDL", "FP8LINEAR_SM90_DECODE_CLUSTER",
-                 "FP8LINEAR_SM90_FUSE_QUANT", "FP8LINEAR_SM90_GEMM_CONFIG", "FP8LINEAR_SM90_DECODE_MAX_M",
-                 "FP8LINEAR_SM90_DECODE_CTAS", "FP8LINEAR_SM90_DECODE_ROWS",
-                 "FP8LINEAR_SM90_DECODE_SPLITS", "FP8LINEAR_SM90_DECODE_EARLY_TRIGGER"):
-        monkeypatch.delenv(knob, raising=False)
+    monkeypatch.setattr(launch, "num_sms", lambda index: 132)
+    monkeypatch.delenv("FP8LINEAR_PDL", raising=False)
+    assert plan.current() == plan.NONE      # nothing forced: the rules decide
     return rec
 
 
@@ -63,7 +65,7 @@ def test_gemm_reads_column_major_scales_in_place(ext):
     col = torch.empty(a_s.shape[1], 600)[:, :m].copy_(a_s.t()).t()   # strides (1, 600)
     sm90.gemm(a, col, w, ws, None, _out(m, n))
     (kind, c), = ext.calls
-    assert kind == "gemm" and c["config"] == heuristics.sm90_plan(m, n, k, 132)[1]
+    assert kind == "gemm" and c["config"] == plan.choose(m, n, k, 132).config
     # the [Kb, M] view of the caller's own storage: no copy
     assert c["a_scale_t"].data_ptr() == col.data_ptr() and c["a_scale_t"].stride() == (600, 1)
 
@@ -88,7 +90,7 @@ def test_linear_large_m_hands_raw_activations_to_the_extension(ext):
     sm90.linear(x, w, ws, None, _out(m, n))
     (kind, g), = ext.calls
     assert kind == "gemm" and g["a"] is x and g["a_scale_t"] is None
-    assert g["config"] == heuristics.sm90_plan(m, n, k, 132, after_quant=True)[1]
+    assert g["config"] == plan.choose(m, n, k, 132, after_quant=True).config
     assert g["pdl"] is True and g["quant_pdl"] is True
     assert g["early_b"] == 0            # behind our quant kernel past 128 tokens: no early loads
 
@@ -105,59 +107,65 @@ def test_gemm_early_weights_follow_the_rule(ext, m, n, early):
     sm90.gemm(a, a_s, w, ws, None, _out(m, n))
     (_, c), = ext.calls
     assert c["early_b"] == early
-    assert early == heuristics.sm90_gemm_early_weights(m, k, c["config"], False)
+    assert early == launch.gemm_early_weights(m, k, c["config"], False)
 
 
 @pytest.mark.parametrize("m,k,group", [(4096, 8192, 4), (4096, 4096, 16), (600, 8192, 8)])
-def test_gemm_tile_order_band_follows_the_rule(ext, monkeypatch, m, k, group):
+def test_gemm_tile_order_band_follows_the_rule(ext, m, k, group):
     n = 256
     _, a, a_s, w, ws = _operands(m, n, k)
     sm90.gemm(a, a_s, w, ws, None, _out(m, n))
     (_, c), = ext.calls
-    assert c["group_m"] == group == heuristics.sm90_gemm_group_m(m, k)
-    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_GROUP_M", "2")
-    heuristics.reload_env()
-    sm90.gemm(a, a_s, w, ws, None, _out(m, n))
+    assert c["group_m"] == group == launch.gemm_group_m(m, k)
+    with plan.forced(gemm_group_m=2):
+        sm90.gemm(a, a_s, w, ws, None, _out(m, n))
     assert ext.calls[-1][1]["group_m"] == 2
 
 
-def test_gemm_early_weights_need_pdl(ext, monkeypatch):
+def test_gemm_early_weights_need_pdl(ext):
     # the early loads only mean something under PDL: with it off they are off too
     m, n, k = 64, 28672, 4096
     _, a, a_s, w, ws = _operands(m, n, k)
-    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_PDL", "0")
-    sm90.gemm(a, a_s, w, ws, None, _out(m, n))
+    with plan.forced(gemm_pdl=False):
+        sm90.gemm(a, a_s, w, ws, None, _out(m, n))
     assert ext.calls[-1][1]["pdl"] is False and ext.calls[-1][1]["early_b"] == 0
 
 
-@pytest.mark.parametrize("knob", ["FP8LINEAR_PDL", "FP8LINEAR_SM90_GEMM_PDL"])
-def test_gemm_pdl_knobs(ext, monkeypatch, knob):
+def _pdl_env(monkeypatch, on):
+    monkeypatch.setenv("FP8LINEAR_PDL", "1" if on else "0")
+    return contextlib.nullcontext()
+
+
+def _pdl_forced(monkeypatch, on):
+    return plan.forced(gemm_pdl=on)
+
+
+@pytest.mark.parametrize("switch", [_pdl_env, _pdl_forced], ids=["FP8LINEAR_PDL", "forced"])
+def test_gemm_pdl_switches(ext, monkeypatch, switch):
     m, n, k = 600, 4096, 4096
     _, a, a_s, w, ws = _operands(m, n, k)
-    monkeypatch.setenv(knob, "0")
-    sm90.gemm(a, a_s, w, ws, None, _out(m, n))
+    with switch(monkeypatch, False):
+        sm90.gemm(a, a_s, w, ws, None, _out(m, n))
     assert ext.calls[-1][0] == "gemm" and ext.calls[-1][1]["pdl"] is False
-    monkeypatch.setenv(knob, "1")
-    sm90.gemm(a, a_s, w, ws, None, _out(m, n))
+    with switch(monkeypatch, True):
+        sm90.gemm(a, a_s, w, ws, None, _out(m, n))
     assert ext.calls[-1][1]["pdl"] is True
 
 
-def test_split_tail_gemm_gets_a_workspace(ext, monkeypatch):
+def test_split_tail_gemm_gets_a_workspace(ext):
     """A split-tail configuration gets one fp32 tile a CTA of workspace and a counter a tile;
     whole-tile configurations get none."""
     m, n, k = 1024, 2112, 7168
     _, a, a_s, w, ws = _operands(m, n, k)
-    sk = next(c for c in range(len(heuristics.SM90_GEMM_CONFIGS)) if heuristics.gemm_split_tail(c))
-    bm, bn = heuristics.SM90_GEMM_CONFIGS[sk][:2]
-    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_CONFIG", str(sk))
-    heuristics.reload_env()
-    sm90.gemm(a, a_s, w, ws, None, _out(m, n))
+    sk = next(c for c, t in enumerate(GEMM_TILES) if t.split_tail)
+    bm, bn = GEMM_TILES[sk].bm, GEMM_TILES[sk].bn
+    with plan.forced(gemm_config=sk):
+        sm90.gemm(a, a_s, w, ws, None, _out(m, n))
     d = ext.calls[-1][1]
     assert d["config"] == sk and d["ws_floats"] == 132 * bm * bn
     assert d["tiles"] == (m // bm) * -(-n // bn)    # 8 x 11 tiles of 128x192
-    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_CONFIG", "3")   # the same tile, whole tiles
-    heuristics.reload_env()
-    sm90.gemm(a, a_s, w, ws, None, _out(m, n))
+    with plan.forced(gemm_config=3):   # the same tile, whole tiles
+        sm90.gemm(a, a_s, w, ws, None, _out(m, n))
     d = ext.calls[-1][1]
     assert d["config"] == 3 and d["ws_floats"] == 0 and d["tiles"] == 0
 
@@ -169,42 +177,34 @@ def test_linear_fused_decode_passes_raw_activations(ext):
     (kind, d), = ext.calls
     assert kind == "decode" and d["x"] is x and d["x_scale"] is None
     assert d["quant_first"] is False   # the kernel quantizes x itself
-    assert (d["rows"], d["splits"], d["ctas"], d["cluster"]) == (64, 2, 2, False)
+    assert (d["rows"], d["splits"], d["ctas"]) == (64, 2, 2)
     assert d["pdl"] is True and d["early"] is True
     assert d["ws_floats"] == 2 * 64 * 8 * 64        # [splits][tiles][BT][rows] fp32
 
 
-def test_decode_cluster_needs_no_workspace(ext, monkeypatch):
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CLUSTER", "1")
-    m, n, k = 1, 4096, 4096        # two splits reduced in a cluster's shared memory
-    x, _, _, w, ws = _operands(m, n, k)
-    sm90.linear(x, w, ws, None, _out(m, n))
-    (_, d), = ext.calls
-    assert d["cluster"] is True and d["ws_floats"] == 0
-
-
-def test_decode_workspace_when_not_clustered(ext, monkeypatch):
+def test_decode_split_reduction_workspace(ext, monkeypatch):
     m, n, k = 1, 2112, 7168        # 33 tiles of 64 rows x four splits: the workspace reduction
     x, _, _, w, ws = _operands(m, n, k)
     sm90.linear(x, w, ws, None, _out(m, n))
     (_, d), = ext.calls
-    assert d["cluster"] is False and (d["splits"], d["rows"]) == (4, 64)
+    assert (d["splits"], d["rows"]) == (4, 64)
     assert d["ws_floats"] == 4 * 33 * 8 * 64        # [splits][tiles][BT][rows] fp32
     assert d["tiles"] == 33                         # one reduction counter each
+    assert d["early"] is True
     ext.calls.clear()
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_EARLY_TRIGGER", "0")
-    sm90.linear(x, w, ws, None, _out(m, n))
-    assert ext.calls[-1][1]["early"] is False
-    monkeypatch.setenv("FP8LINEAR_PDL", "0")
-    sm90.linear(x, w, ws, None, _out(m, n))
-    assert ext.calls[-1][1]["pdl"] is False
+    with plan.forced(decode_early_trigger=False):
+        sm90.linear(x, w, ws, None, _out(m, n))
+        assert ext.calls[-1][1]["early"] is False
+        monkeypatch.setenv("FP8LINEAR_PDL", "0")
+        sm90.linear(x, w, ws, None, _out(m, n))
+        assert ext.calls[-1][1]["pdl"] is False
 
 
 def test_linear_unfused_decode_quantizes_first(ext):
     m, n, k = 20, 2112, 7168       # 32-token tiles over 56 K blocks: quant kernel + decode
     x, _, _, w, ws = _operands(m, n, k)
-    plan = heuristics.sm90_plan(m, n, k, 132)
-    assert plan[0] == "decode" and not heuristics.sm90_fuse_quant(m, k, plan)
+    p = plan.choose(m, n, k, 132)
+    assert p.kind == "decode" and not launch.fuse_quant(m, k, p)
     sm90.linear(x, w, ws, None, _out(m, n))
     (kind, d), = ext.calls
     # the extension runs the quant kernel first, both under PDL (the quant kernel may start
@@ -215,36 +215,48 @@ def test_linear_unfused_decode_quantizes_first(ext):
 
 def test_launch_decided_once_per_shape(ext, monkeypatch):
     """The plan, fusion and knob reads are made once per (M, N, K, dtype, device) while knobs
-    are cached (the eager hot path then does a dict lookup), and again after reload_env()."""
-    monkeypatch.setattr(heuristics, "CACHE_ENV", True)
-    monkeypatch.setattr(sm90, "_launches", {})
-    heuristics.reload_env()
-    monkeypatch.setattr(heuristics, "_on_reload", [sm90._launches.clear])
+    are cached (the eager hot path then does a dict lookup), and again after knobs.reload()
+    or when plan.forced() changes the overrides."""
+    monkeypatch.setattr(knobs, "CACHE_VALUES", True)
+    monkeypatch.setattr(launch, "_launches", {})
+    knobs.reload()
     calls = []
-    real = heuristics.sm90_plan
-    monkeypatch.setattr(heuristics, "sm90_plan", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    real = plan.choose
+    monkeypatch.setattr(launch, "choose", lambda *a, **kw: calls.append(a) or real(*a, **kw))
     m, n, k = 1, 4096, 4096
     x, _, _, w, ws = _operands(m, n, k)
-    for _ in range(3):
+    try:
+        for _ in range(3):
+            sm90.linear(x, w, ws, None, _out(m, n))
+        assert len(calls) == 1 and len(ext.calls) == 3
+        sm90.linear(x[:, :2048].contiguous(), w[:, :2048].contiguous(),
+                    ws[:, :16].contiguous(), None, _out(m, n))          # another K
+        assert len(calls) == 2
+        monkeypatch.setenv("FP8LINEAR_PDL", "0")   # a knob change is seen after knobs.reload()
         sm90.linear(x, w, ws, None, _out(m, n))
-    assert len(calls) == 1 and len(ext.calls) == 3
-    sm90.linear(x[:, :2048].contiguous(), w[:, :2048].contiguous(),
-                ws[:, :16].contiguous(), None, _out(m, n))          # another K
-    assert len(calls) == 2
-    monkeypatch.setenv("FP8LINEAR_PDL", "0")   # a knob change is seen after reload_env()
-    sm90.linear(x, w, ws, None, _out(m, n))
-    assert ext.calls[-1][1]["pdl"] is True and len(calls) == 2
-    heuristics.reload_env()
-    sm90.linear(x, w, ws, None, _out(m, n))
-    assert ext.calls[-1][1]["pdl"] is False and len(calls) == 3
-    heuristics.reload_env()
+        assert ext.calls[-1][1]["pdl"] is True and len(calls) == 2
+        knobs.reload()
+        sm90.linear(x, w, ws, None, _out(m, n))
+        assert ext.calls[-1][1]["pdl"] is False and len(calls) == 3
+        sm90.linear(x, w, ws, None, _out(m, n))
+        assert len(calls) == 3
+        with plan.forced(decode_early_trigger=False):   # forcing decides again, in and out
+            sm90.linear(x, w, ws, None, _out(m, n))
+            assert ext.calls[-1][1]["early"] is False and len(calls) == 4
+        sm90.linear(x, w, ws, None, _out(m, n))
+        assert ext.calls[-1][1]["early"] is True and len(calls) == 5
+    finally:
+        knobs.reload()
 
 
 def test_launch_cache_is_bounded(ext, monkeypatch):
-    monkeypatch.setattr(heuristics, "CACHE_ENV", True)
-    monkeypatch.setattr(sm90, "_launches", {})
-    monkeypatch.setattr(sm90, "_MAX_LAUNCHES", 3)
-    for m in range(1, 6):
-        x, _, _, w, ws = _operands(m, 256, 256)
-        sm90.linear(x, w, ws, None, _out(m, 256))
-    assert 1 <= len(sm90._launches) <= 3 and len(ext.calls) == 5
+    monkeypatch.setattr(knobs, "CACHE_VALUES", True)
+    monkeypatch.setattr(launch, "_launches", {})
+    monkeypatch.setattr(launch, "_MAX_LAUNCHES", 3)
+    try:
+        for m in range(1, 6):
+            x, _, _, w, ws = _operands(m, 256, 256)
+            sm90.linear(x, w, ws, None, _out(m, 256))
+        assert 1 <= len(launch._launches) <= 3 and len(ext.calls) == 5
+    finally:
+        knobs.reload()

@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8linear.kernels import build, heuristics
+from fp8linear.backends import dispatch
+from fp8linear.backends.sm90 import build
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CC = shutil.which("cc") or shutil.which("gcc")
 needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler to build the stand-in extension")
 
@@ -74,7 +75,7 @@ def env(tmp_path, monkeypatch):
     build.available.cache_clear()
     yield src
     build.available.cache_clear()
-    heuristics._cuda_default.cache_clear()
+    dispatch._cuda_default.cache_clear()
 
 
 # ----------------------------------------------------------------------------- key
@@ -231,9 +232,9 @@ _CHILD = textwrap.dedent("""
     sys.path.insert(0, sys.argv[4])
     if sys.argv[5] == "fcntl":
         sys.modules["filelock"] = None  # force the fcntl fallback
-    from fp8linear.kernels import build
-    sys.path.insert(0, str(Path(sys.argv[4]) / "tests" / "kernels"))
-    from test_build import compile_standin
+    from fp8linear.backends.sm90 import build
+    sys.path.insert(0, str(Path(sys.argv[4]) / "tests"))
+    from backends.sm90.test_build import compile_standin
     src, log = Path(sys.argv[1]), Path(sys.argv[2])
     build.source_dir = lambda: src
     build.device_arch = lambda index=None: build.ARCH
@@ -286,7 +287,7 @@ def test_file_lock_excludes(tmp_path, monkeypatch, lock):
         if {lock!r} == "fcntl":
             sys.modules["filelock"] = None
         from pathlib import Path
-        from fp8linear.kernels.build import file_lock
+        from fp8linear.backends.sm90.build import file_lock
         with file_lock(Path({str(tmp_path / 'x.lock')!r})):
             print("child got it", flush=True)
     """)
@@ -376,22 +377,17 @@ def test_precompile_errors(monkeypatch):
         build.precompile(verbose=False)
 
 
-def test_heuristics_fall_back_to_triton_without_nvcc(env, monkeypatch):
+def test_dispatch_falls_back_to_triton_without_nvcc(env, monkeypatch):
     _fake_hopper(monkeypatch)
     monkeypatch.setattr(build, "find_cuda_home", lambda: None)
-    heuristics._cuda_default.cache_clear()
+    dispatch._cuda_default.cache_clear()
     with pytest.warns(UserWarning, match="nvcc not found"):
-        assert heuristics._cuda_default(0) == "triton"
+        assert dispatch._cuda_default(0) == "triton"
 
 
-def test_heuristics_skip_the_build_on_other_gpus(env, monkeypatch):
+def test_dispatch_skips_the_build_on_other_gpus(env, monkeypatch):
     _fake_hopper(monkeypatch, cap=(8, 0))
-    from fp8linear.kernels import sm90
+    from fp8linear.backends.sm90 import backend as sm90
     monkeypatch.setattr(sm90, "available", _no_compile)  # not even asked
-    heuristics._cuda_default.cache_clear()
-    assert heuristics._cuda_default(0) == "triton"
-
-
-def test_cpu_tensors_use_the_reference(env):
-    from fp8linear.kernels import reference
-    assert heuristics.backend_for(torch.device("cpu"), 4, 256, 256) is reference
+    dispatch._cuda_default.cache_clear()
+    assert dispatch._cuda_default(0) == "triton"

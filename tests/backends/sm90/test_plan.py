@@ -1,13 +1,27 @@
-"""The dispatch rules of fp8linear/kernels/heuristics.py, on the CPU: each measured rule picks
-what the H100 measurements it cites found fastest (benchmarks/NOTES.md)."""
+"""The sm90 backend's plans (fp8linear/backends/sm90/plan.py) and launch choices
+(launch.py), on the CPU: each measured rule picks what the H100 measurements it cites found
+fastest (docs/tuning.md, docs/performance.md). Plans compare by their fields, not by the rule
+that chose them; a few tests name the rule ids too."""
 from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 
-from fp8linear.kernels import heuristics as h
+from fp8linear.backends.sm90 import launch, plan, tiles
+from fp8linear.backends.sm90.plan import DecodePlan, GemmPlan
+from fp8linear.backends.sm90.tiles import DECODE_TILES, GEMM_TILES, SMEM_PER_CTA
+from fp8linear.quant import cdiv
 
 SMS = 132
-H100 = h.TritonDevice(SMS, 227 * 1024, False, (9, 0))
+REPO = Path(__file__).resolve().parents[3]
+
+
+def forced_error(msg: str):
+    """pytest.raises for forced()'s ValueError with exactly this message."""
+    return pytest.raises(ValueError, match=f"^{re.escape(msg)}$")
 
 
 @pytest.mark.parametrize("m,n,k,config", [
@@ -70,15 +84,54 @@ H100 = h.TritonDevice(SMS, 227 * 1024, False, (9, 0))
     (1024, 4096, 4096, 5),    # nor over 16 K blocks
 ])
 def test_large_m_configs(m, n, k, config):
-    assert h.sm90_plan(m, n, k, SMS) == ("gemm", config)
+    assert plan.choose(m, n, k, SMS) == GemmPlan(config)
 
 
-def test_forced_gemm_config(monkeypatch):
-    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_CONFIG", "2")
-    assert h.sm90_plan(1, 4096, 4096, SMS) == ("gemm", 2)       # any M, even decode sizes
-    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_CONFIG", str(len(h.SM90_GEMM_CONFIGS)))
-    with pytest.raises(ValueError, match="FP8LINEAR_SM90_GEMM_CONFIG"):
-        h.sm90_plan(1, 4096, 4096, SMS)
+def test_forced_gemm_config():
+    with plan.forced(gemm_config=2):
+        p = plan.choose(1, 4096, 4096, SMS)       # any M, even decode sizes
+        assert p == GemmPlan(2) and p.rule == "forced-config"
+    assert plan.choose(1, 4096, 4096, SMS).kind == "decode"   # and only inside the block
+    with forced_error(f"forced gemm_config={len(GEMM_TILES)}: expected one of "
+                      f"range(0, {len(GEMM_TILES)})"):
+        with plan.forced(gemm_config=len(GEMM_TILES)):
+            pass
+
+
+def test_forced_rejects_a_bad_value_before_changing_anything():
+    with plan.forced(decode_rows=80):
+        with forced_error("forced decode_splits=0: expected one of range(1, 1025)"):
+            with plan.forced(decode_splits=0):
+                pass
+        assert plan.current().decode_rows == 80 and plan.current().decode_splits is None
+    assert plan.current() == plan.NONE
+
+
+def test_plans_compare_by_fields_not_rule():
+    assert GemmPlan(3, "split-tail") == GemmPlan(3)
+    assert DecodePlan(0, 2, 2, 64, "decode-four-splits") == DecodePlan(0, 2, 2, 64)
+    assert DecodePlan(0, 2, 2, 64) != GemmPlan(0)
+    assert DecodePlan(3, 1, 1, 64).token_tile == 64 and GemmPlan(5).tile == GEMM_TILES[5]
+
+
+@pytest.mark.parametrize("m,n,k,want,rule", [
+    (1, 4096, 4096, DecodePlan(0, 2, 2, 64), "decode"),
+    (1, 4096, 7168, DecodePlan(0, 4, 2, 64), "decode-four-splits"),
+    (32, 4096, 4096, GemmPlan(6), "tiles-17-32-short-k"),
+    (8, 4096, 4096, GemmPlan(8), "tiles-64x32-one-wave"),
+    (640, 7168, 16384, GemmPlan(15), "split-tail"),
+    (8192, 57344, 8192, GemmPlan(14), "pairs-192-big-weights"),
+    (8192, 8192, 8192, GemmPlan(5), "pairs-256-from-4096"),
+    (512, 7168, 2048, GemmPlan(13), "two-partials-short-k"),
+    (128, 8192, 8192, GemmPlan(7), "midm-128x64-one-wave"),
+    (128, 24576, 1536, GemmPlan(7), "128x64-65-128"),
+    (2048, 6144, 4096, GemmPlan(3), "waves-x-area"),
+])
+def test_rule_ids(m, n, k, want, rule):
+    p = plan.choose(m, n, k, SMS)
+    assert p == want and p.rule == rule
+    assert rule in {r.id for r in plan.RULES + plan.DECODE_YIELDS + plan.REFINEMENTS} | \
+        {"decode-four-splits"}
 
 
 @pytest.mark.parametrize("m,n,k,tile,splits,ctas,rows", [
@@ -103,64 +156,63 @@ def test_forced_gemm_config(monkeypatch):
     (1, 57344, 8192, 0, 1, 1, 64),   # 896 tiles of 64: so many waves that the finer tail wins
 ])
 def test_decode_plans(m, n, k, tile, splits, ctas, rows):
-    assert h.sm90_plan(m, n, k, SMS) == ("decode", tile, splits, ctas, rows)
+    assert plan.choose(m, n, k, SMS) == DecodePlan(tile, splits, ctas, rows)
 
 
-@pytest.mark.parametrize("m,n,k,plan", [
-    (17, 32768, 512, ("gemm", 1)),     # no K split, 4 K blocks a CTA: the large-M tiles
-    (32, 24576, 1536, ("gemm", 6)),    # ... 12 K blocks
-    (24, 28672, 4096, ("gemm", 1)),    # ... 117 MB of weights
-    (32, 57344, 8192, ("gemm", 6)),
-    (2, 28672, 4096, ("gemm", 1)),     # from 2 tokens where the decode grid is multi-wave
-    (16, 57344, 8192, ("gemm", 6)),
-    (1, 28672, 4096, ("decode", 0, 1, 1, 128)),   # (one token: decode)
-    (16, 32768, 512, ("decode", 1, 1, 2, 128)),   # one wave (2 an SM): decode up to 16 tokens
-    (32, 10240, 8192, ("decode", 2, 1, 1, 80)),   # 84 MB, 64 K blocks: decode
-    (32, 12288, 4096, ("decode", 2, 1, 1, 96)),   # 50 MB, 32 K blocks: decode
-    (32, 2112, 7168, ("decode", 2, 4, 2, 64)),    # K split 4 ways: decode
+@pytest.mark.parametrize("m,n,k,want", [
+    (17, 32768, 512, GemmPlan(1)),     # no K split, 4 K blocks a CTA: the large-M tiles
+    (32, 24576, 1536, GemmPlan(6)),    # ... 12 K blocks
+    (24, 28672, 4096, GemmPlan(1)),    # ... 117 MB of weights
+    (32, 57344, 8192, GemmPlan(6)),
+    (2, 28672, 4096, GemmPlan(1)),     # from 2 tokens where the decode grid is multi-wave
+    (16, 57344, 8192, GemmPlan(6)),
+    (1, 28672, 4096, DecodePlan(0, 1, 1, 128)),   # (one token: decode)
+    (16, 32768, 512, DecodePlan(1, 1, 2, 128)),   # one wave (2 an SM): decode up to 16 tokens
+    (32, 10240, 8192, DecodePlan(2, 1, 1, 80)),   # 84 MB, 64 K blocks: decode
+    (32, 12288, 4096, DecodePlan(2, 1, 1, 96)),   # 50 MB, 32 K blocks: decode
+    (32, 2112, 7168, DecodePlan(2, 4, 2, 64)),    # K split 4 ways: decode
 ])
-def test_tiles_over_unsplit_decode_grids(m, n, k, plan):
-    assert h.sm90_plan(m, n, k, SMS) == plan
-    assert h.sm90_plan(m, n, k, SMS, after_quant=True) == plan
+def test_tiles_over_unsplit_decode_grids(m, n, k, want):
+    assert plan.choose(m, n, k, SMS) == want
+    assert plan.choose(m, n, k, SMS, after_quant=True) == want
 
 
-@pytest.mark.parametrize("m,n,k,plan", [
-    (8, 4096, 4096, ("gemm", 8)),      # one wave of 64x32 tiles fills the SMs: those tiles
-    (16, 4096, 14336, ("gemm", 8)),
-    (32, 4096, 7168, ("gemm", 8)),
-    (24, 4096, 4096, ("gemm", 6)),     # (the 64x64 rule for short K comes first)
-    (4, 4096, 4096, ("decode", 0, 2, 2, 64)),     # below 8 tokens decode stays
-    (16, 2112, 7168, ("decode", 1, 4, 2, 64)),    # 64x32 would fill half the SMs: decode
-    (16, 4352, 4096, ("decode", 1, 1, 1, 64)),    # 136 tiles of 64x32: over one wave
+@pytest.mark.parametrize("m,n,k,want", [
+    (8, 4096, 4096, GemmPlan(8)),      # one wave of 64x32 tiles fills the SMs: those tiles
+    (16, 4096, 14336, GemmPlan(8)),
+    (32, 4096, 7168, GemmPlan(8)),
+    (24, 4096, 4096, GemmPlan(6)),     # (the 64x64 rule for short K comes first)
+    (4, 4096, 4096, DecodePlan(0, 2, 2, 64)),     # below 8 tokens decode stays
+    (16, 2112, 7168, DecodePlan(1, 4, 2, 64)),    # 64x32 would fill half the SMs: decode
+    (16, 4352, 4096, DecodePlan(1, 1, 1, 64)),    # 136 tiles of 64x32: over one wave
 ])
-def test_narrow_tiles_over_split_decode_at_8_32_tokens(m, n, k, plan):
-    assert h.sm90_plan(m, n, k, SMS) == plan
-    assert h.sm90_plan(m, n, k, SMS, after_quant=True) == plan
+def test_narrow_tiles_over_split_decode_at_8_32_tokens(m, n, k, want):
+    assert plan.choose(m, n, k, SMS) == want
+    assert plan.choose(m, n, k, SMS, after_quant=True) == want
 
 
-@pytest.mark.parametrize("m,n,k,plan", [
-    (17, 6144, 4096, ("gemm", 12)),    # one wave of 128 64x48 tiles (64x64: 96, a quarter idle)
-    (32, 6144, 4096, ("gemm", 12)),
-    (64, 6144, 4096, ("gemm", 12)),
-    (48, 5888, 4096, ("gemm", 12)),    # 123 tiles: >= 90% of the SMs
-    (48, 5120, 4096, ("gemm", 6)),     # 107 tiles of 64x48 fill too few: 64x64
-    (65, 6144, 4096, ("gemm", 7)),     # two M blocks: 256 tiles of 64x48, over a wave
-    (16, 6144, 4096, ("decode", 1, 1, 1, 64)),    # up to 16 tokens decode stays
-    (48, 6400, 4096, ("gemm", 6)),     # 134 tiles of 64x48: over one wave
+@pytest.mark.parametrize("m,n,k,want", [
+    (17, 6144, 4096, GemmPlan(12)),    # one wave of 128 64x48 tiles (64x64: 96, a quarter idle)
+    (32, 6144, 4096, GemmPlan(12)),
+    (64, 6144, 4096, GemmPlan(12)),
+    (48, 5888, 4096, GemmPlan(12)),    # 123 tiles: >= 90% of the SMs
+    (48, 5120, 4096, GemmPlan(6)),     # 107 tiles of 64x48 fill too few: 64x64
+    (65, 6144, 4096, GemmPlan(7)),     # two M blocks: 256 tiles of 64x48, over a wave
+    (16, 6144, 4096, DecodePlan(1, 1, 1, 64)),    # up to 16 tokens decode stays
+    (48, 6400, 4096, GemmPlan(6)),     # 134 tiles of 64x48: over one wave
 ])
-def test_64x48_tiles_where_one_wave_fills_the_sms(m, n, k, plan):
-    assert h.sm90_plan(m, n, k, SMS) == plan
-    assert h.SM90_GEMM_CONFIGS[12][:2] == (64, 48)
+def test_64x48_tiles_where_one_wave_fills_the_sms(m, n, k, want):
+    assert plan.choose(m, n, k, SMS) == want
+    assert (GEMM_TILES[12].bm, GEMM_TILES[12].bn) == (64, 48)
 
 
-def test_tiles_over_decode_rule_yields_to_decode_knobs(monkeypatch):
-    # any decode knob set explicitly keeps the decode kernel (the knobs are for sweeps)
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CTAS", "1")
-    assert h.sm90_plan(32, 32768, 512, SMS) == ("decode", 2, 1, 1, 128)
-    monkeypatch.delenv("FP8LINEAR_SM90_DECODE_CTAS")
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_MAX_M", "64")
-    assert h.sm90_plan(32, 32768, 512, SMS)[0] == "decode"
-    assert h.sm90_plan(16, 4096, 4096, SMS)[0] == "decode"
+def test_tiles_over_decode_rule_yields_to_decode_knobs():
+    # any decode piece forced keeps the decode kernel (forcing is for sweeps)
+    with plan.forced(decode_ctas=1):
+        assert plan.choose(32, 32768, 512, SMS) == DecodePlan(2, 1, 1, 128)
+    with plan.forced(decode_max_m=64):
+        assert plan.choose(32, 32768, 512, SMS).kind == "decode"
+        assert plan.choose(16, 4096, 4096, SMS).kind == "decode"
 
 
 @pytest.mark.parametrize("m,n,k,alone,after_quant", [
@@ -171,68 +223,43 @@ def test_tiles_over_decode_rule_yields_to_decode_knobs(monkeypatch):
     (256, 57344, 8192, 3, 3),   # only at 129-192 tokens (measured)
 ])
 def test_plan_after_quant_kernel(m, n, k, alone, after_quant):
-    assert h.sm90_plan(m, n, k, SMS) == ("gemm", alone)
-    assert h.sm90_plan(m, n, k, SMS, after_quant=True) == ("gemm", after_quant)
+    assert plan.choose(m, n, k, SMS) == GemmPlan(alone)
+    assert plan.choose(m, n, k, SMS, after_quant=True) == GemmPlan(after_quant)
 
 
-def test_decode_rows_and_splits_forced(monkeypatch):
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_ROWS", "128")
-    assert h.sm90_plan(1, 4096, 4096, SMS) == ("decode", 0, 4, 2, 128)
-    assert h.sm90_plan(32, 4096, 4096, SMS)[0] == "decode"   # not the 64x64 tiles
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_ROWS", "64")
-    assert h.sm90_plan(1, 10240, 8192, SMS) == ("decode", 0, 1, 1, 64)
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_MAX_M", "64")
-    assert h.sm90_plan(64, 2112, 7168, SMS)[4] == 64
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_MAX_M", "128")
-    assert h.sm90_plan(128, 2112, 7168, SMS)[4] == 128     # 128-token tiles: 128 rows only
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_SPLITS", "3")
-    assert h.sm90_plan(1, 4096, 4096, SMS)[2] == 3
-    assert h.sm90_plan(1, 4096, 256, SMS)[2] == 2           # never more than the K blocks
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_ROWS", "80")
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CTAS", "2")
-    assert h.sm90_plan(1, 4096, 4096, SMS)[3:] == (1, 80)     # fewer rows: one CTA an SM
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_ROWS", "48")
-    with pytest.raises(ValueError, match="FP8LINEAR_SM90_DECODE_ROWS"):
-        h.sm90_plan(1, 4096, 4096, SMS)
+def test_decode_rows_and_splits_forced():
+    with plan.forced(decode_rows=128):
+        assert plan.choose(1, 4096, 4096, SMS) == DecodePlan(0, 4, 2, 128)
+        assert plan.choose(32, 4096, 4096, SMS).kind == "decode"   # not the 64x64 tiles
+    with plan.forced(decode_rows=64):
+        assert plan.choose(1, 10240, 8192, SMS) == DecodePlan(0, 1, 1, 64)
+        with plan.forced(decode_max_m=64):
+            assert plan.choose(64, 2112, 7168, SMS).rows == 64
+        with plan.forced(decode_max_m=128):
+            assert plan.choose(128, 2112, 7168, SMS).rows == 128   # 128-token tiles: 128 rows only
+            with plan.forced(decode_splits=3):
+                assert plan.choose(1, 4096, 4096, SMS).splits == 3
+                assert plan.choose(1, 4096, 256, SMS).splits == 2   # never more than the K blocks
+                with plan.forced(decode_rows=80, decode_ctas=2):
+                    p = plan.choose(1, 4096, 4096, SMS)
+                    assert (p.ctas_per_sm, p.rows) == (1, 80)      # fewer rows: one CTA an SM
+    with forced_error("forced decode_rows=48: expected one of "
+                      "(64, 72, 80, 88, 96, 104, 112, 120, 128)"):
+        with plan.forced(decode_rows=48):
+            pass
 
 
-def test_decode_ctas_forced(monkeypatch):
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CTAS", "1")
-    assert h.sm90_plan(1, 4096, 4096, SMS)[3] == 1
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CTAS", "2")
-    assert h.sm90_plan(1, 7168, 16384, SMS)[3] == 2
-    assert h.sm90_plan(32, 7168, 16384, SMS)[3] == 2
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_MAX_M", "64")
-    assert h.sm90_plan(64, 2112, 7168, SMS)[3] == 1                # not for 64-token tiles
-    monkeypatch.delenv("FP8LINEAR_SM90_DECODE_MAX_M")
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CTAS", "3")
-    with pytest.raises(ValueError, match="FP8LINEAR_SM90_DECODE_CTAS"):
-        h.sm90_plan(1, 4096, 4096, SMS)
-
-
-@pytest.mark.parametrize("m,n,k,cluster", [
-    (1, 4096, 4096, False),         # 2 splits, two CTAs an SM: the workspace is faster
-    (16, 4096, 4096, False),        # since its handshake is one atomic
-    (1, 2112, 7168, False),         # 4 splits: the cluster launch costs more than it saves
-    (1, 4096, 14336, False),        # 2 splits, one CTA an SM: clusters would strand SMs per GPC
-    (16, 7168, 2048, False),        # one split (64-row tiles): nothing to reduce
-    (1, 24576, 1536, False),        # one split
-    (1, 256, 4096, False),          # 32 splits: more than a cluster holds
-    (64, 2112, 7168, False),        # 64-token tiles (FP8LINEAR_SM90_DECODE_MAX_M=64): one
-])                                  # CTA an SM
-def test_decode_cluster_reduce(m, n, k, cluster, monkeypatch):
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_MAX_M", "64")
-    plan = h.sm90_plan(m, n, k, SMS)
-    assert plan[0] == "decode"
-    assert h.sm90_decode_cluster_reduce(*plan[1:3]) is cluster
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CLUSTER", "0")
-    assert h.sm90_decode_cluster_reduce(*plan[1:3]) is False
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CLUSTER", "1")
-    # forced on wherever a cluster can hold the splits (2..8) and the tile is <= 32 tokens
-    assert h.sm90_decode_cluster_reduce(*plan[1:3]) is (2 <= plan[2] <= 8 and plan[1] <= 2)
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_CLUSTER", "yes")
-    with pytest.raises(ValueError, match="FP8LINEAR_SM90_DECODE_CLUSTER='yes'"):
-        h.sm90_decode_cluster_reduce(*plan[1:3])
+def test_decode_ctas_forced():
+    with plan.forced(decode_ctas=1):
+        assert plan.choose(1, 4096, 4096, SMS).ctas_per_sm == 1
+    with plan.forced(decode_ctas=2):
+        assert plan.choose(1, 7168, 16384, SMS).ctas_per_sm == 2
+        assert plan.choose(32, 7168, 16384, SMS).ctas_per_sm == 2
+        with plan.forced(decode_max_m=64):
+            assert plan.choose(64, 2112, 7168, SMS).ctas_per_sm == 1    # not for 64-token tiles
+    with forced_error("forced decode_ctas=3: expected one of (1, 2)"):
+        with plan.forced(decode_ctas=3):
+            pass
 
 
 @pytest.mark.parametrize("m,n,k,early", [
@@ -244,114 +271,63 @@ def test_decode_cluster_reduce(m, n, k, cluster, monkeypatch):
     (1, 4096, 7168, True),          # 4 splits of two CTAs an SM
     (1, 24576, 1536, True),         # 192 CTAs: over a wave
 ])
-def test_decode_early_trigger(m, n, k, early, monkeypatch):
-    plan = h.sm90_plan(m, n, k, SMS)
-    tiles = h.cdiv(n, plan[4]) * h.cdiv(m, h.SM90_DECODE_TILES[plan[1]])
-    assert h.sm90_decode_early_trigger(plan, tiles, SMS) is early
-    for v in ("0", "1"):
-        monkeypatch.setenv("FP8LINEAR_SM90_DECODE_EARLY_TRIGGER", v)
-        assert h.sm90_decode_early_trigger(plan, tiles, SMS) is (v == "1")
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_EARLY_TRIGGER", "yes")
-    with pytest.raises(ValueError, match="FP8LINEAR_SM90_DECODE_EARLY_TRIGGER='yes'"):
-        h.sm90_decode_early_trigger(plan, tiles, SMS)
+def test_decode_early_trigger(m, n, k, early):
+    p = plan.choose(m, n, k, SMS)
+    n_tiles = cdiv(n, p.rows) * cdiv(m, DECODE_TILES[p.config])
+    assert launch.decode_early_trigger(p, n_tiles, SMS) is early
+    for v in (False, True):
+        with plan.forced(decode_early_trigger=v):
+            assert launch.decode_early_trigger(p, n_tiles, SMS) is v
+    with forced_error("forced decode_early_trigger='yes': expected one of True or False"):
+        with plan.forced(decode_early_trigger="yes"):
+            pass
 
 
-@pytest.mark.parametrize("m,k,plan,fused", [
-    (1, 4096, ("decode", 0, 2, 2, 128), True),    # 16 K blocks a CTA, one token
-    (4, 4096, ("decode", 0, 2, 2, 64), True),     # 4 x 16 = 64 groups
-    (8, 4096, ("decode", 0, 2, 2, 64), True),     # 8 x 16 = 128 groups: the limit
-    (8, 4352, ("decode", 0, 2, 2, 64), False),    # 8 x 17 groups
-    (8, 4096, ("decode", 0, 4, 2, 128), True),    # 8 tokens x 8 blocks
-    (16, 2048, ("decode", 1, 4, 2, 128), True),   # 16 x 4 groups
-    (16, 2048, ("decode", 1, 2, 2, 64), True),    # 16 x 8 groups
-    (16, 2304, ("decode", 1, 2, 2, 64), False),   # 16 x 9 groups
-    (1, 4096, ("decode", 0, 1, 1, 128), True),    # 32 blocks: a 32 KB slice, one CTA an SM
-    (1, 8192, ("decode", 0, 1, 1, 128), False),   # 64 blocks: the slice would crowd the ring
-    (1, 7680, ("decode", 0, 1, 2, 128), False),   # 60 blocks, two CTAs an SM
-    (17, 1024, ("decode", 2, 1, 2, 128), False),  # over 16 tokens: the quant kernel
-    (1, 4096, ("gemm", 0), False),
+@pytest.mark.parametrize("m,k,p,fused", [
+    (1, 4096, DecodePlan(0, 2, 2, 128), True),    # 16 K blocks a CTA, one token
+    (4, 4096, DecodePlan(0, 2, 2, 64), True),     # 4 x 16 = 64 groups
+    (8, 4096, DecodePlan(0, 2, 2, 64), True),     # 8 x 16 = 128 groups: the limit
+    (8, 4352, DecodePlan(0, 2, 2, 64), False),    # 8 x 17 groups
+    (8, 4096, DecodePlan(0, 4, 2, 128), True),    # 8 tokens x 8 blocks
+    (16, 2048, DecodePlan(1, 4, 2, 128), True),   # 16 x 4 groups
+    (16, 2048, DecodePlan(1, 2, 2, 64), True),    # 16 x 8 groups
+    (16, 2304, DecodePlan(1, 2, 2, 64), False),   # 16 x 9 groups
+    (1, 4096, DecodePlan(0, 1, 1, 128), True),    # 32 blocks: a 32 KB slice, one CTA an SM
+    (1, 8192, DecodePlan(0, 1, 1, 128), False),   # 64 blocks: the slice would crowd the ring
+    (1, 7680, DecodePlan(0, 1, 2, 128), False),   # 60 blocks, two CTAs an SM
+    (17, 1024, DecodePlan(2, 1, 2, 128), False),  # over 16 tokens: the quant kernel
+    (1, 4096, GemmPlan(0), False),
 ])
-def test_fuse_quant_only_small_slices(m, k, plan, fused, monkeypatch):
-    assert h.sm90_fuse_quant(m, k, plan) is fused
-    monkeypatch.setenv("FP8LINEAR_SM90_FUSE_QUANT", "0")
-    assert h.sm90_fuse_quant(m, k, plan) is False
-    monkeypatch.setenv("FP8LINEAR_SM90_FUSE_QUANT", "1")   # wherever the slice fits
-    assert h.sm90_fuse_quant(m, k, plan) is (plan[0] == "decode" and m <= 16
-                                             and h.cdiv(h.cdiv(k, 128), plan[2])
-                                             * (8 << plan[1]) * 128
-                                             <= h.SM90_DECODE_SMEM[plan[3]] // 4)
-    monkeypatch.setenv("FP8LINEAR_SM90_FUSE_QUANT", "2")
-    with pytest.raises(ValueError, match="FP8LINEAR_SM90_FUSE_QUANT='2'"):
-        h.sm90_fuse_quant(m, k, plan)
+def test_fuse_quant_only_small_slices(m, k, p, fused):
+    assert launch.fuse_quant(m, k, p) is fused
+    with plan.forced(fuse_quant=False):
+        assert launch.fuse_quant(m, k, p) is False
+    with plan.forced(fuse_quant=True):   # wherever the slice fits
+        assert launch.fuse_quant(m, k, p) is (p.kind == "decode" and m <= 16
+                                              and cdiv(cdiv(k, 128), p.splits)
+                                              * (8 << p.config) * 128
+                                              <= SMEM_PER_CTA[p.ctas_per_sm] // 4)
+    with forced_error("forced fuse_quant=2: expected one of True or False"):
+        with plan.forced(fuse_quant=2):
+            pass
 
 
-@pytest.mark.parametrize("m,n,k,split", [
-    (1, 7168, 16384, 3),    # 112 tiles, 128 K blocks, one token: split (47.8 vs 58.5 us)
-    (16, 8192, 28672, 3),
-    (64, 7168, 16384, 1),   # 64 tokens: unsplit (51.7 vs 58.8 us)
-    (16, 7168, 2048, 1),    # 16 K blocks: unsplit (8.6 vs 10.5 us)
-    (1, 4096, 4096, 5),     # 64 tiles, under half the SMs: split (to ~2 waves)
-])
-def test_triton_split_k(m, n, k, split):
-    assert h.triton_config(m, n, k, 1, False, H100).split == split
-
-
-@pytest.mark.parametrize("m,n,k,bm,bn", [
-    (1024, 2112, 7168, 128, 64),    # 136 tiles of 128x128 for 132 SMs: 64-column tiles
-    (4096, 4096, 4096, 128, 128),
-    (4096, 32768, 512, 64, 128),    # 4 K blocks: small tiles, several programs an SM
-])
-def test_triton_large_m_tiles(m, n, k, bm, bn):
-    cfg = h.triton_config(m, n, k, 1, False, H100)
-    assert (cfg.bm, cfg.bn) == (bm, bn)
-
-
-@pytest.mark.parametrize("m,n,k,bn", [
-    (1, 32768, 512, 256),     # very wide N, few K blocks: 256-column programs
-    (1, 24576, 1536, 256),
-    (16, 24576, 1536, 64),    # 16 tokens x 12 K blocks: narrow again (measured)
-    (16, 32768, 512, 256),
-    (1, 7168, 2048, 64),      # 28 programs of 256 would be a fifth of a wave
-    (1, 24576, 7168, 64),     # 56 K blocks: enough steps to amortise a narrow program
-    (64, 32768, 512, 128),    # 64 tokens, 4 K blocks: 128 columns
-    (64, 32768, 1024, 64),
-])
-def test_triton_decode_tile_width(m, n, k, bn):
-    cfg = h.triton_config(m, n, k, 1, False, H100)
-    assert cfg.bn == bn and cfg.split == 1
-
-
-def test_forced_sm90_on_another_gpu_fails_before_launch(monkeypatch):
-    import torch
-
-    from fp8linear.kernels import build
-    monkeypatch.setenv("FP8LINEAR_BACKEND", "sm90")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (8, 9))
-    h._check_sm90_device.cache_clear()
-    try:
-        with pytest.raises(build.BuildError, match=r"need an sm_90 \(Hopper\) GPU, this one "
-                                                   r"is sm_89"):
-            h.backend_for(torch.device("cuda", 0), 1, 128, 128)
-    finally:
-        h._check_sm90_device.cache_clear()
-
-
-def test_decode_max_m_knob(monkeypatch):
+def test_decode_max_m_forced():
     # default: the decode kernel up to 32 tokens, large-M tiles above (few-row weights: 64)
-    assert h.sm90_plan(33, 4096, 4096, SMS)[0] == "gemm"
-    assert h.sm90_plan(32, 2112, 7168, SMS)[0] == "decode"
-    monkeypatch.setenv("FP8LINEAR_SM90_DECODE_MAX_M", "256")
-    plan = h.sm90_plan(256, 4096, 4096, SMS)
-    assert plan[:2] == ("decode", len(h.SM90_DECODE_TILES) - 1)
-    # two 128-token tiles x 32 row tiles: 2 splits fill one wave
-    assert plan[2] == SMS // (2 * 32)
-    assert h.sm90_plan(257, 4096, 4096, SMS)[0] == "gemm"
-    assert h.sm90_plan(64, 6144, 4096, SMS)[:2] == ("decode", 3)   # 64-token tiles
-    for bad in ("0", "300", "x"):
-        monkeypatch.setenv("FP8LINEAR_SM90_DECODE_MAX_M", bad)
-        with pytest.raises(ValueError, match="FP8LINEAR_SM90_DECODE_MAX_M"):
-            h.sm90_plan(8, 4096, 4096, SMS)
+    assert plan.choose(33, 4096, 4096, SMS).kind == "gemm"
+    assert plan.choose(32, 2112, 7168, SMS).kind == "decode"
+    with plan.forced(decode_max_m=256):
+        p = plan.choose(256, 4096, 4096, SMS)
+        assert p.kind == "decode" and p.config == len(DECODE_TILES) - 1
+        # two 128-token tiles x 32 row tiles: 2 splits fill one wave
+        assert p.splits == SMS // (2 * 32)
+        assert plan.choose(257, 4096, 4096, SMS).kind == "gemm"
+        p = plan.choose(64, 6144, 4096, SMS)
+        assert p.kind == "decode" and p.config == 3       # 64-token tiles
+    for bad in (0, 300, "x"):
+        with forced_error(f"forced decode_max_m={bad!r}: expected one of range(1, 257)"):
+            with plan.forced(decode_max_m=bad):
+                pass
 
 
 @pytest.mark.parametrize("m,n,k,config", [
@@ -362,35 +338,38 @@ def test_decode_max_m_knob(monkeypatch):
     (192, 2112, 7168, 6),    # 99 tiles of 64x64
 ])
 def test_narrow_n_mid_m_tiles(m, n, k, config):
-    assert h.sm90_plan(m, n, k, SMS) == ("gemm", config)
+    assert plan.choose(m, n, k, SMS) == GemmPlan(config)
 
 
-@pytest.mark.parametrize("m,groups,cap,whole_row,split", [
-    (1, 32, 32, True, (4, 4)), (31, 112, 16, False, (4, 4)),  # decode sizes: 4 groups a program
-    (32, 32, 32, True, (32, 16)), (8192, 32, 32, True, (32, 16)),  # the norm: its whole row
-    (32, 56, 56, True, (64, 16)),                           # (a power of 2, the rest masked)
-    (64, 16, 16, True, (16, 8)), (64, 4, 4, True, (4, 4)),  # ~8 values of an operand a thread
-    (64, 112, 16, False, (8, 8)), (131, 112, 16, False, (8, 8)),  # SiLU-and-mul below an SM a row
-    (132, 112, 16, False, (16, 4)), (8192, 112, 16, False, (16, 4)),   # then its cap
-    (4096, 5, 16, False, (8, 4))])                          # short rows
-def test_fused_quant_split(m, groups, cap, whole_row, split):
-    assert h.fused_quant_split(m, groups, 132, cap, whole_row) == split
-
-
-def test_gemm_configs_mirror_the_kernel_table():
-    # SM90_GEMM_CONFIGS mirrors kConfigs in csrc/sm90/gemm.cu (index = config id)
-    import re
-    from pathlib import Path
-    src = (Path(__file__).resolve().parents[2] / "csrc" / "sm90" / "gemm.cu").read_text()
-    table = src[src.index("kConfigs[] = {"):]
-    table = table[:table.index("};")]
-    rows = re.findall(r"\{(\d+), (\d+), (\d+), (\d+), (true|false), (true|false), (true|false)\}",
-                      table)
+def test_tile_table_is_the_kernels():
+    """csrc/sm90/tables.def is the one definition of the tiles: the C++ builds its tables from
+    it field by field, tiles.py parses it (index = config id)."""
+    src = REPO / "csrc" / "sm90"
+    table = (src / "tables.def").read_text()
+    rows = re.findall(r"^FP8L_GEMM_TILE\((\d+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(true|false),"
+                      r"\s*(true|false),\s*(true|false)\)", table, re.M)
     assert [(int(a), int(b), int(c), int(d), e == "true", f == "true", g == "true")
-            for a, b, c, d, e, f, g in rows] == list(h.SM90_GEMM_CONFIGS)
+            for a, b, c, d, e, f, g in rows] == \
+        [(t.bm, t.bn, t.stages, t.cluster, t.share_a, t.queue_next, t.split_tail)
+         for t in GEMM_TILES]
+    assert len(GEMM_TILES) == 16
+    assert DECODE_TILES == (8, 16, 32, 64, 128)
+    assert SMEM_PER_CTA == {1: 232448, 2: 115712}
+    # gemm.cu's kConfigs: the same fields in the same order as tiles.GemmTile
+    gemm = (src / "gemm.cu").read_text()
+    fields = "bm, bn, stages, cluster, share_a, queue_next, split_tail"
+    assert [f.name for f in dataclasses.fields(tiles.GemmTile)] == fields.split(", ")
+    kconfigs = gemm[gemm.index("kConfigs[] = {"):]
+    kconfigs = kconfigs[:kconfigs.index("};")]
+    assert f"#define FP8L_GEMM_TILE({fields})" in kconfigs
+    assert "{" + fields + "}," in kconfigs and '#include "sm90/tables.def"' in kconfigs
+    assert "int bm, bn, stages, cluster;" in gemm
+    assert "bool share_a, queue_next, split_tail;" in gemm
+    # decode.cu: decode config i -> the i-th token tile
+    assert '#define FP8L_DECODE_TILE(tokens)' in (src / "decode.cu").read_text()
     # the lean rule is the kernel's: 64-row tiles of <= 64 columns
-    assert "return bm == 64 && bn <= 64;" in src
-    assert [c for c in range(len(h.SM90_GEMM_CONFIGS)) if h.gemm_lean(c)] == [6, 8, 9, 12]
+    assert "return bm == 64 && bn <= 64;" in gemm
+    assert [c for c, t in enumerate(GEMM_TILES) if t.lean] == [6, 8, 9, 12]
 
 
 @pytest.mark.parametrize("m, k, config, after_quant, early", [
@@ -414,25 +393,24 @@ def test_gemm_configs_mirror_the_kernel_table():
     (128, 512, 0, False, 4),   # (up to 128 tokens at any K)
     (257, 4096, 1, False, 0),  # past the sizes measured
 ])
-def test_gemm_early_weights_rule(m, k, config, after_quant, early, monkeypatch):
-    assert h.sm90_gemm_early_weights(m, k, config, after_quant) == early
-    ring = h.SM90_GEMM_CONFIGS[config][2]
-    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_EARLY_B", "1")
-    forced = h.sm90_gemm_early_weights(m, k, config, after_quant)
-    assert 0 < forced <= ring and (early == 0 or forced == early)
-    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_EARLY_STAGES", "2")
-    assert h.sm90_gemm_early_weights(m, k, config, after_quant) == 2
-    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_EARLY_STAGES", "64")
-    assert h.sm90_gemm_early_weights(m, k, config, after_quant) == ring
-    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_EARLY_B", "0")
-    assert h.sm90_gemm_early_weights(m, k, config, after_quant) == 0
-    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_EARLY_B", "2")
-    with pytest.raises(ValueError, match="FP8LINEAR_SM90_GEMM_EARLY_B"):
-        h.sm90_gemm_early_weights(m, k, config, after_quant)
-    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_EARLY_B", "1")
-    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_EARLY_STAGES", "0")
-    with pytest.raises(ValueError, match="FP8LINEAR_SM90_GEMM_EARLY_STAGES"):
-        h.sm90_gemm_early_weights(m, k, config, after_quant)
+def test_gemm_early_weights_rule(m, k, config, after_quant, early):
+    assert launch.gemm_early_weights(m, k, config, after_quant) == early
+    ring = GEMM_TILES[config].stages
+    with plan.forced(gemm_early_b=True):
+        forced = launch.gemm_early_weights(m, k, config, after_quant)
+        assert 0 < forced <= ring and (early == 0 or forced == early)
+        with plan.forced(gemm_early_stages=2):
+            assert launch.gemm_early_weights(m, k, config, after_quant) == 2
+        with plan.forced(gemm_early_stages=64):
+            assert launch.gemm_early_weights(m, k, config, after_quant) == ring
+    with plan.forced(gemm_early_b=False, gemm_early_stages=64):
+        assert launch.gemm_early_weights(m, k, config, after_quant) == 0
+    with forced_error("forced gemm_early_b=2: expected one of True or False"):
+        with plan.forced(gemm_early_b=2):
+            pass
+    with forced_error("forced gemm_early_stages=0: expected one of range(1, 65)"):
+        with plan.forced(gemm_early_b=True, gemm_early_stages=0):
+            pass
 
 
 @pytest.mark.parametrize("m, k, group", [
@@ -445,48 +423,49 @@ def test_gemm_early_weights_rule(m, k, config, after_quant, early, monkeypatch):
     (1024, 4096, 8),      # below 2048 tokens
     (1024, 16384, 8),
 ])
-def test_gemm_group_m_rule(m, k, group, monkeypatch):
-    assert h.sm90_gemm_group_m(m, k) == group
-    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_GROUP_M", "3")
-    assert h.sm90_gemm_group_m(m, k) == 3
-    monkeypatch.setenv("FP8LINEAR_SM90_GEMM_GROUP_M", "0")
-    with pytest.raises(ValueError, match="FP8LINEAR_SM90_GEMM_GROUP_M"):
-        h.sm90_gemm_group_m(m, k)
+def test_gemm_group_m_rule(m, k, group):
+    assert launch.gemm_group_m(m, k) == group
+    with plan.forced(gemm_group_m=3):
+        assert launch.gemm_group_m(m, k) == 3
+    with forced_error("forced gemm_group_m=0: expected one of range(1, 1025)"):
+        with plan.forced(gemm_group_m=0):
+            pass
 
 
-def test_fused_quant_early_trigger_rule(monkeypatch):
-    # the norm while its rows are split over programs (< 32 rows); never SiLU-and-mul
-    assert h.fused_quant_early_trigger(1, True) and h.fused_quant_early_trigger(31, True)
-    assert not h.fused_quant_early_trigger(32, True)
-    assert not h.fused_quant_early_trigger(16, False)
-    monkeypatch.setenv("FP8LINEAR_FUSED_QUANT_EARLY_TRIGGER", "0")
-    assert not h.fused_quant_early_trigger(64, True)
-    monkeypatch.setenv("FP8LINEAR_FUSED_QUANT_EARLY_TRIGGER", "1")
-    assert h.fused_quant_early_trigger(4096, True) and h.fused_quant_early_trigger(64, False)
-    monkeypatch.setenv("FP8LINEAR_FUSED_QUANT_EARLY_TRIGGER", "yes")
-    with pytest.raises(ValueError,
-                       match="FP8LINEAR_FUSED_QUANT_EARLY_TRIGGER='yes': expected 0 or 1"):
-        h.fused_quant_early_trigger(16, True)
+def test_gemm_pdl_forced():
+    assert launch.gemm_pdl(True) is True and launch.gemm_pdl(False) is False
+    with plan.forced(gemm_pdl=False):
+        assert launch.gemm_pdl(True) is False
+    with plan.forced(gemm_pdl=True):
+        assert launch.gemm_pdl(False) is False      # never without PDL itself
+    with forced_error("forced gemm_pdl=0: expected one of True or False"):
+        with plan.forced(gemm_pdl=0):
+            pass
+
+
+def _waves(m, n, config):
+    return plan._waves_x_area(plan.Problem(m, n, 4096, SMS, False), config)
 
 
 def test_waves_count_whole_pairs():
     """A pair's CTAs take adjacent tiles along M (sharing the weight tile) or N (sharing the
     activation tile): an odd tile count there still takes whole pairs of CTAs."""
-    c11, c5 = h.SM90_GEMM_CONFIGS[11], h.SM90_GEMM_CONFIGS[5]      # 128x160 / 256x128 pairs
+    # configs 11 / 5: 128x160 / 256x128 pairs
     # 5 x 45 tiles of 128x160 at M = 640, N = 7168: 3 x 45 pair units, 270 CTAs, 3 waves
-    assert h._waves_x_area(640, 7168, 132, c11) == 3 * 128 * 160
-    assert h._waves_x_area(512, 7168, 132, c11) == 2 * 128 * 160   # 4 x 45: 180 CTAs
+    assert _waves(640, 7168, 11) == 3 * 128 * 160
+    assert _waves(512, 7168, 11) == 2 * 128 * 160   # 4 x 45: 180 CTAs
     # 256x128 pairs share the activation tile along N: 17 N tiles (2112) take 9 pairs
-    assert h._waves_x_area(2048, 2112, 132, c5) == h._waves_x_area(2048, 2304, 132, c5)
+    assert _waves(2048, 2112, 5) == _waves(2048, 2304, 5)
 
 
 def test_split_tail_parts():
     """The split tail: a ragged last wave of 128x192 tiles of at most half the SMs, split into
     K ranges of >= 32 blocks, all in one wave."""
-    assert h.split_tail_parts(640, 7168, 16384, 132) == 2      # 190 tiles: 58 in the tail
-    assert h.split_tail_parts(1920, 7168, 16384, 132) == 3     # 570: 42 in the tail, 3 x 42 blocks
-    assert h.split_tail_parts(2048, 2112, 7168, 132) == 0      # 3 parts of 18 blocks: too short
-    assert h.split_tail_parts(512, 7168, 16384, 132) == 0      # tail 20: 6 parts of 21
-    assert h.split_tail_parts(1024, 8448, 16384, 132) == 0     # 8 x 44 = 352: tail 88, over half
-    assert h.split_tail_parts(4096, 6144, 4096, 132) == 0      # 32 x 32 = 1024: tail 100
-    assert h.gemm_split_tail(15) and not any(h.gemm_split_tail(c) for c in range(15))
+    assert plan.split_tail_parts(640, 7168, 16384, 132) == 2      # 190 tiles: 58 in the tail
+    assert plan.split_tail_parts(1920, 7168, 16384, 132) == 3     # 570: tail 42, 3 x 42 blocks
+    assert plan.split_tail_parts(2048, 2112, 7168, 132) == 0      # 3 parts of 18 blocks: too short
+    assert plan.split_tail_parts(512, 7168, 16384, 132) == 0      # tail 20: 6 parts of 21
+    assert plan.split_tail_parts(1024, 8448, 16384, 132) == 0     # 8 x 44 = 352: tail 88, over half
+    assert plan.split_tail_parts(4096, 6144, 4096, 132) == 0      # 32 x 32 = 1024: tail 100
+    assert GEMM_TILES[15].split_tail and not any(GEMM_TILES[c].split_tail for c in range(15))
+    assert plan.SPLIT_TAIL_CONFIG == 15

@@ -1,4 +1,5 @@
-"""The Triton backend (fp8linear/kernels/triton_gemm.py, triton_quant.py).
+"""The Triton backend's GEMM and quantization kernels (fp8linear/backends/triton/gemm.py,
+quant.py; its tile rules on the CPU: test_plan.py).
 
 GPU tests (marked ``gpu``) run the compiled kernels: FP8LINEAR_BACKEND=triton forces this
 backend on Hopper too, FP8LINEAR_TRITON_MODE=weight_only forces the Ampere mode on any GPU.
@@ -19,14 +20,16 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: fp64_reference
+# tests/: fp64_reference (also when this file runs as the interpreter script)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import fp64_reference as ref  # noqa: E402
 
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
 import fp8linear  # noqa: E402
-from fp8linear.kernels import triton_gemm as tg  # noqa: E402
-from fp8linear.kernels import triton_quant as tq  # noqa: E402
+from fp8linear.backends.triton import gemm as tg  # noqa: E402
+from fp8linear.backends.triton import plan as tp  # noqa: E402
+from fp8linear.backends.triton import quant as tq  # noqa: E402
 from fp8linear.quant import expand_weight_scale  # noqa: E402
 
 TOL = 2e-3
@@ -174,7 +177,7 @@ def test_fused_quant_matches_separate(monkeypatch, round_first):
     dev = torch.device("cuda")
     for i, (m, n, k) in enumerate([(1, 256, 4096), (16, 1000, 2200), (32, 96, 130)]):
         x, w, w_s, bias = make_case(m, n, k, seed=77 + i, device=dev)
-        cfg = tg.choose_config(m, n, k, 2, False, tg._device_info("cuda", dev.index or 0))
+        cfg = tp.choose(m, n, k, 2, False, tp.device_info("cuda", dev.index or 0))
         fused = poisoned(m, n, torch.float32, dev)
         tg.linear(x, w, w_s, bias, fused, config=cfg)
         a, a_s = fp8linear.quantize_activation(x)
@@ -240,9 +243,9 @@ def test_weight_only_random_shapes(triton_backend):
 
 
 # every tile shape the rules can produce, split-K on and off, the deepest split
-FORCED = [tg.Config(16, 64, 4, 3, 1), tg.Config(16, 64, 4, 2, 16), tg.Config(32, 64, 4, 3, 3),
-          tg.Config(64, 64, 4, 3, 1), tg.Config(64, 128, 4, 3, 2), tg.Config(128, 128, 8, 3, 1),
-          tg.Config(128, 64, 8, 3, 3)]
+C = tp.TritonConfig
+FORCED = [C(16, 64, 4, 3, 1), C(16, 64, 4, 2, 16), C(32, 64, 4, 3, 3), C(64, 64, 4, 3, 1),
+          C(64, 128, 4, 3, 2), C(128, 128, 8, 3, 1), C(128, 64, 8, 3, 3)]
 FORCED_SHAPES = [(1, 200, 1100, False), (45, 130, 640, True), (300, 384, 2000, False)]
 
 
@@ -367,21 +370,22 @@ def test_cuda_graph_capture(triton_backend, mode):
 # ------------------------------------------------------------------------- CPU tests
 def test_mode_env_is_validated(monkeypatch):
     monkeypatch.setenv("FP8LINEAR_TRITON_MODE", "fp4")
-    with pytest.raises(ValueError, match="FP8LINEAR_TRITON_MODE='fp4'"):
+    with pytest.raises(ValueError, match=r"^FP8LINEAR_TRITON_MODE='fp4': expected one of "
+                                         r"native, weight_only$"):
         tg.mode(torch.device("cpu"))
     monkeypatch.setenv("FP8LINEAR_TRITON_MODE", "weight_only")
     assert tg.mode(torch.device("cpu")) == "weight_only"
 
 
-@pytest.mark.parametrize("dev", [tg._Device(132, 227 * 1024, False, (9, 0)),   # H100
-                                 tg._Device(128, 99 * 1024, False, (8, 9)),    # RTX 4090
-                                 tg._Device(108, 163 * 1024, False, (8, 0))])  # A100
+@pytest.mark.parametrize("dev", [tp.TritonDevice(132, 227 * 1024, False, (9, 0)),   # H100
+                                 tp.TritonDevice(128, 99 * 1024, False, (8, 9)),    # RTX 4090
+                                 tp.TritonDevice(108, 163 * 1024, False, (8, 0))])  # A100
 def test_plan_rules(dev):
     rng = random.Random(0)
     for _ in range(500):
         m, n, k = rng.randint(1, 9000), rng.randint(1, 30000), rng.randint(1, 20000)
         for weight_only, a_bytes in ((False, 1), (False, 2), (True, 2), (True, 4)):
-            cfg = tg.choose_config(m, n, k, a_bytes, weight_only, dev)
+            cfg = tp.choose(m, n, k, a_bytes, weight_only, dev)
             assert cfg.bn in (64, 128, 256) and cfg.bm in (16, 32, 64, 128) and cfg.stages >= 2
             stage = cfg.bm * 128 * a_bytes + 128 * cfg.bn
             assert (cfg.stages - 1) * stage <= dev.smem, cfg      # pipelined buffers fit
@@ -450,7 +454,7 @@ def test_interpreter():
     must be set before the kernels are defined)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     env.pop("FP8LINEAR_TRITON_MODE", None)
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
     r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
                        timeout=600)
@@ -504,8 +508,8 @@ def _patch_interpreter():
 
 def _interpreter_main():
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    from fp8linear.kernels import heuristics
-    heuristics.CACHE_ENV = False  # the loop below switches FP8LINEAR_TRITON_MODE
+    from fp8linear import knobs
+    knobs.CACHE_VALUES = False  # the loop below switches FP8LINEAR_TRITON_MODE
     _patch_interpreter()
     cpu = torch.device("cpu")
     n_checks = 0
@@ -529,12 +533,12 @@ def _interpreter_main():
         (3, 130, 260, False, None, "bf16", None),
         (1, 200, 1100, True, "bf16", "fp32", None),                  # split-K by the rules
         (40, 70, 300, True, "fp32", "fp16", None),                   # M > 32: quant kernel
-        (2, 256, 1100, False, "fp32", "fp32", tg.Config(16, 64, 4, 2, 3)),
-        (17, 100, 129, True, "bf16", "fp32", tg.Config(32, 64, 4, 2, 2)),
-        (130, 64, 200, False, None, "bf16", tg.Config(128, 64, 8, 2, 1)),
+        (2, 256, 1100, False, "fp32", "fp32", tp.TritonConfig(16, 64, 4, 2, 3)),
+        (17, 100, 129, True, "bf16", "fp32", tp.TritonConfig(32, 64, 4, 2, 2)),
+        (130, 64, 200, False, None, "bf16", tp.TritonConfig(128, 64, 8, 2, 1)),
         # 256-column tiles over 128x128 scale blocks: each column gathers its block's scale
-        (1, 300, 520, False, "bf16", "bf16", tg.Config(16, 256, 8, 3, 1)),
-        (5, 520, 300, True, None, "fp32", tg.Config(16, 256, 8, 2, 2)),
+        (1, 300, 520, False, "bf16", "bf16", tp.TritonConfig(16, 256, 8, 3, 1)),
+        (5, 520, 300, True, None, "fp32", tp.TritonConfig(16, 256, 8, 2, 2)),
     ]
     for i, (m, n, k, per_row, bias_dt, out_dt, cfg) in enumerate(cases):
         x, w, w_s, bias = make_case(m, n, k, seed=i, device=cpu, per_row=per_row,

@@ -36,7 +36,7 @@ def check_layers_on_device(model):
     import torch
 
     from fp8linear import fp8_linear
-    from fp8linear.kernels import heuristics
+    from fp8linear.backends import dispatch
     from fp8linear.quant import quantize_activation, reference_gemm
     from vllm.model_executor.layers.linear import LinearBase
     rows = []
@@ -47,7 +47,7 @@ def check_layers_on_device(model):
             continue
         w, s = mod.weight, getattr(mod, qm.scale_name)
         n, k = w.shape
-        backends = {m: heuristics.backend_for(w.device, m, n, k).name for m in (1, 64, 512)}
+        backends = {m: dispatch.backend_for(w.device, m, n, k).name for m in (1, 64, 512)}
         errs = {}
         for m in (3, 200):
             x = torch.randn(m, k, generator=g).to(torch.bfloat16)
