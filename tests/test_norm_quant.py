@@ -86,7 +86,7 @@ def test_triton_kernel(m, k, residual, weight, groups):
     normalised output, which is the reference's within bf16 rounding (the GPU's rsqrt and
     sum order differ from the CPU's); the new residual is bit-exact; the scale buffer's
     padding columns are never read."""
-    from fp8linear.kernels import triton_norm_quant
+    from fp8linear.backends.triton import norm_quant as triton_norm_quant
     x, res, w = _data(m, k, device="cuda", seed=m + k)
     res = res if residual else None
     w = w if weight else None

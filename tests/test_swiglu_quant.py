@@ -73,7 +73,7 @@ def test_triton_kernel(m, d, dtype):
     """The kernel's fp8 values and scales are exactly quantize_activation of its own product,
     which is the reference's within one rounding step (the GPU's exp differs from the CPU's
     in the last fp32 bit); the scale buffer's padding columns are never read."""
-    from fp8linear.kernels import triton_swiglu_quant
+    from fp8linear.backends.triton import swiglu_quant as triton_swiglu_quant
     x = _data(m, d, dtype, device="cuda", seed=m + d)
     q, scale_t = nq._buffers(x[:, :d])
     q.fill_(float("nan"))

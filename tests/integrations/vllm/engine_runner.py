@@ -29,7 +29,7 @@ import traceback
 def forbid_reference_backend():
     """Any call of the torch reference GEMM with CUDA tensors raises: a GPU run that
     completes ran our CUDA/Triton kernels only."""
-    from fp8linear.kernels import reference
+    from fp8linear.backends import reference
 
     def refusing(fn):
         def call(*args, **kwargs):
