@@ -265,6 +265,16 @@ def _transformers_model(bf16_dir, kind: str, device: str, fp8_dir=None):
 
     dtype = torch.float32 if kind == "fp32" else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=dtype)
+    if kind == "fp8_weights_only":
+        # diagnostic: only the weights' block-FP8 rounding (the same quantize_weight), run
+        # as BF16 weights with BF16 activations: what the activations' 1x128 FP8 adds is
+        # the gap to fp8_checkpoint
+        from fp8linear import dequantize_weight, quantize_weight
+        with torch.no_grad():
+            for name, mod in model.named_modules():
+                if isinstance(mod, torch.nn.Linear) and "lm_head" not in name:
+                    q, s = quantize_weight(mod.weight)
+                    mod.weight.copy_(dequantize_weight(q, s, torch.float32).to(dtype))
     if kind in ("fp8_checkpoint", "fp8_online"):
         import fp8linear
         # the same layers the CLI quantizes: every linear but the (tied) output head
@@ -462,7 +472,9 @@ ONLINE_NOTE = ("the plugin quantizes vLLM's fused qkv_proj on one 128-row grid f
                "differ from the checkpoint's (quantized per unfused tensor; v_proj and "
                "gate_up_proj are 128-aligned and match): close to, not bit-identical with, "
                "fp8_checkpoint")
-TRANSFORMERS_RUNS = ("bf16", "fp32", "fp8_checkpoint", "fp8_online")
+TRANSFORMERS_RUNS = ("bf16", "fp32", "fp8_checkpoint", "fp8_online", "fp8_weights_only")
+_TRANSFORMERS_QUANT = {"fp8_checkpoint": "fp8linear", "fp8_online": "fp8linear",
+                       "fp8_weights_only": "fp8 weights only (dequantized, bf16 activations)"}
 # (name, model row, checkpoint, quantization)
 VLLM_RUNS = (
     ("bf16", "bf16", "bf16", None),
@@ -522,6 +534,16 @@ def run(args) -> int:
         "text_sources": sources,
         "window": args.window, "windows": len(windows),
         "tokens": sum(len(w) for w in windows), "scored_tokens": scored,
+        "models": {
+            "bf16": "the BF16 checkpoint, bf16 compute",
+            "fp32": "the BF16 checkpoint's weights computed in float32",
+            "fp8_checkpoint": "the `fp8linear quantize` output (transformers: quantize_model "
+                              "+ load_fp8_checkpoint; vLLM: quantization=<row's>)",
+            "fp8_online": "the BF16 checkpoint quantized while loading (transformers: "
+                          "quantize_model; vLLM: quantization=<row's> on the BF16 folder)",
+            "fp8_weights_only": "diagnostic: weights rounded through block FP8 and back, "
+                                "bf16 activations (no activation quantization)",
+        },
         "metrics": ("ppl = exp(mean NLL of the actual next token); top1_agree = share of "
                     "positions whose argmax equals the reference's; mean_abs_dlogprob = mean "
                     "|logprob(actual token) - reference's|; reference: see each row"),
@@ -543,9 +565,10 @@ def run(args) -> int:
                 st = {"error": f"{type(e).__name__}: {e}",
                       "traceback_tail": traceback.format_exc()[-4000:]}
             stats[("transformers", kind)] = st
-            rows.append({"engine": "transformers", "model": kind,
-                         "quantization": "fp8linear" if kind.startswith("fp8") else None,
-                         "st": st})
+            rows.append({"key": ("transformers", kind), "engine": "transformers",
+                         "model": kind, "quantization": _TRANSFORMERS_QUANT.get(kind),
+                         "device": device})
+            write_result(header, rows, stats, args.out, final=False)
     if "vllm" in engines:
         eager = args.eager if args.eager is not None else device == "cpu"
         for name, kind, ckpt, quant in VLLM_RUNS:
@@ -557,25 +580,40 @@ def run(args) -> int:
             if "error" in st:
                 log(f"  error: {st['error'][:300]}")
             stats[("vllm", name)] = st
-            rows.append({"engine": "vllm", "model": kind, "quantization": quant,
+            rows.append({"key": ("vllm", name), "engine": "vllm", "model": kind,
+                         "quantization": quant,
                          "checkpoint": "bf16" if ckpt == "bf16" else "fp8 (fp8linear quantize)",
-                         "enforce_eager": eager, "st": st})
+                         "enforce_eager": eager})
+            write_result(header, rows, stats, args.out, final=False)
 
-    ref_key = ("transformers", "bf16") if "logprobs" in stats.get(
-        ("transformers", "bf16"), {}) else ("vllm", "bf16")
-    ref = stats.get(ref_key) if "logprobs" in stats.get(ref_key, {}) else None
-    out_rows = []
+    result = write_result(header, rows, stats, args.out, final=True)
+    print(format_table(result))
+    if not args.keep_work and not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def build_rows(rows: list, stats: dict) -> list:
+    """Result rows from the runs so far: ``rows`` ({engine, model, quantization, ...,
+    "key": (engine, run name)}) and ``stats`` ({key: {"logprobs", "argmax", timings} or
+    {"error", "traceback_tail"}}). The reference is transformers' BF16 run when it has
+    results, else vLLM's; vLLM rows also get ``vs_engine_bf16`` then."""
+    def ok(key):
+        return "logprobs" in stats.get(key, {})
+
+    ref_key = ("transformers", "bf16") if ok(("transformers", "bf16")) else ("vllm", "bf16")
+    ref = stats[ref_key] if ok(ref_key) else None
+    out = []
     for r in rows:
-        st = r.pop("st")
-        row = dict(r)
+        st = stats[r["key"]]
+        row = {k: v for k, v in r.items() if k != "key"}
         if "logprobs" in st:
             row["ppl"] = round(perplexity(st["logprobs"]), 4)
             if ref is not None:
                 row.update(compare(st, ref))
                 row["reference"] = "/".join(ref_key)
-            eng_bf16 = stats.get((r["engine"], "bf16"), {})
-            if r["engine"] == "vllm" and ref_key != ("vllm", "bf16") and "logprobs" in eng_bf16:
-                row["vs_engine_bf16"] = compare(st, eng_bf16)
+            if r["engine"] == "vllm" and ref_key != ("vllm", "bf16") and ok(("vllm", "bf16")):
+                row["vs_engine_bf16"] = compare(st, stats[("vllm", "bf16")])
             row["tokens"] = len(st["logprobs"])
         else:
             row.update({"ppl": None, "tokens": 0, "error": st.get("error", "no result"),
@@ -587,17 +625,22 @@ def run(args) -> int:
                   "forbid_reference"):
             if k in st:
                 row[k] = st[k]
-        out_rows.append(row)
-    result = {"header": header, "rows": out_rows}
-    text = json.dumps(result, indent=1)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
-        log(f"wrote {args.out}")
-    print(format_table(result))
-    if not args.keep_work and not args.work:
-        shutil.rmtree(work, ignore_errors=True)
-    return 0
+        out.append(row)
+    return out
+
+
+def write_result(header: dict, rows: list, stats: dict, out, final: bool) -> dict:
+    """The result JSON as it stands (written after every run, so that a run cut short
+    keeps the rows it finished; ``header["complete"]`` tells)."""
+    result = {"header": dict(header, complete=final), "rows": build_rows(rows, stats)}
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(f"{out}.tmp")
+        tmp.write_text(json.dumps(result, indent=1) + "\n")
+        os.replace(tmp, out)
+        if final:
+            print(f"[quality] wrote {out}", file=sys.stderr, flush=True)
+    return result
 
 
 def format_table(result: dict) -> str:

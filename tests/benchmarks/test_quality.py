@@ -115,6 +115,52 @@ def test_vllm_prompt_logprobs_give_target_logprob_and_rank1_token():
     assert quality.perplexity(lp) == pytest.approx(math.exp((0.1 + 2.5 + 1.0) / 3))
 
 
+def _stats(logprobs, argmax):
+    return {"logprobs": logprobs, "argmax": argmax, "load_s": 1.0}
+
+
+def test_rows_compare_with_transformers_bf16_and_keep_errors(tmp_path):
+    lp2, lp4 = [-math.log(2)] * 4, [-math.log(4)] * 4
+    stats = {("transformers", "bf16"): _stats(lp2, [1, 2, 3, 4]),
+             ("vllm", "bf16"): _stats(lp2, [1, 2, 3, 5]),
+             ("vllm", "fp8_online"): _stats(lp4, [1, 2, 3, 5]),
+             ("vllm", "vllm_fp8_checkpoint"): {"error": "ValueError: 576 % 128",
+                                               "traceback_tail": "..."}}
+    rows = [{"key": ("transformers", "bf16"), "engine": "transformers", "model": "bf16",
+             "quantization": None},
+            {"key": ("vllm", "bf16"), "engine": "vllm", "model": "bf16", "quantization": None},
+            {"key": ("vllm", "fp8_online"), "engine": "vllm", "model": "fp8_online",
+             "quantization": "fp8_blockgemm"},
+            {"key": ("vllm", "vllm_fp8_checkpoint"), "engine": "vllm",
+             "model": "fp8_checkpoint", "quantization": "fp8"}]
+    out = quality.build_rows(rows, stats)
+    assert [r["ppl"] for r in out] == [2.0, 2.0, 4.0, None]
+    assert out[0]["top1_agree"] == 1.0 and out[0]["reference"] == "transformers/bf16"
+    assert out[1]["top1_agree"] == 0.75
+    assert out[2]["mean_abs_dlogprob"] == pytest.approx(math.log(2), abs=1e-5)
+    assert out[2]["vs_engine_bf16"] == {"top1_agree": 1.0,
+                                        "mean_abs_dlogprob": pytest.approx(math.log(2),
+                                                                           abs=1e-5)}
+    assert "note" in out[2]
+    assert out[3]["error"].startswith("ValueError") and out[3]["tokens"] == 0
+    assert all("key" not in r for r in out)
+    assert out[0]["load_s"] == 1.0
+
+    # without transformers (the GPU run): vLLM's BF16 run is the reference
+    del stats[("transformers", "bf16")]
+    out = quality.build_rows(rows[1:], stats)
+    assert out[0]["reference"] == "vllm/bf16" and out[0]["top1_agree"] == 1.0
+    assert "vs_engine_bf16" not in out[1]
+
+    header = {"model": {"name": "m"}, "scored_tokens": 4, "windows": 1, "window": 5,
+              "device": "cpu"}
+    res = quality.write_result(header, rows[1:], stats, tmp_path / "r.json", final=False)
+    on_disk = json.loads((tmp_path / "r.json").read_text())
+    assert on_disk["header"]["complete"] is False and len(on_disk["rows"]) == 3
+    assert on_disk == json.loads(json.dumps(res))
+    assert "error:" in quality.format_table(res) and "4.000" in quality.format_table(res)
+
+
 # ------------------------------------------------------------------ text windows
 class CharTokenizer:
     """One token per character (what token_windows needs of a tokenizer)."""
