@@ -93,7 +93,7 @@ if want setup; then
   record install done $(( $(date +%s) - s ))
   s=$(date +%s)
   if [ -n "${FP8LINEAR_PREBUILT:-}" ]; then
-    KCMD=(python3 -c "import time; t=time.time(); from fp8linear.backends.sm90 import build; m=build.load(); print('fp8linear kernels ready:', getattr(m, '__file__', m), f'({time.time()-t:.1f} s)')")
+    KCMD=(python3 -c "import time; t=time.time(); from fp8linear.backends.sm90 import library; m=library.load(); print('fp8linear kernels ready:', m.path, f'({time.time()-t:.1f} s)')")
   else
     KCMD=(python3 -m fp8linear.cli build)
   fi

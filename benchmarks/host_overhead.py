@@ -26,7 +26,7 @@ import time
 import torch
 
 import fp8linear
-from fp8linear.backends.sm90 import backend as sm90, build, launch
+from fp8linear.backends.sm90 import backend as sm90, launch, library
 
 
 def host_us(fn, calls: int, loops: int = 20) -> float:
@@ -61,8 +61,8 @@ def layers(m: int, n: int, k: int):
             x, w, ws, None, torch.empty(m, n, device=dev, dtype=torch.bfloat16))),
     ]
     if plan.kind == "decode" and fused:
-        ext = build.load()
-        rows.append(("extension decode() alone", lambda: ext.decode(
+        ext = library.load()
+        rows.append(("library decode() alone", lambda: ext.decode(
             x, None, w, ws, False, None, out, lp.ws_floats, lp.tiles, plan.config, plan.rows,
             plan.splits, plan.ctas_per_sm, lp.pdl, lp.early, False)))
     rows += [

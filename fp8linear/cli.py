@@ -60,20 +60,16 @@ def _demo(args) -> int:
 
 
 def _build(args) -> int:
-    # imported here: the build system pulls in torch's cpp_extension and needs nvcc
+    from .backends.sm90.build import BuildError, precompile
     try:
-        from .backends.sm90.build import BuildError, precompile
-    except ImportError as e:
-        print(f"fp8linear build: the kernel build system is not available ({e})",
-              file=sys.stderr)
-        return 1
-    try:
-        path = precompile()
-    except BuildError as e:  # no toolkit, a CPU-only torch, or a compile error (with its log)
+        path, compiled = precompile(verbose=args.verbose)
+    except BuildError as e:  # no toolkit or a compile error (with its log)
         print(f"fp8linear build: error: {e}", file=sys.stderr)
         return 1
-    if path is not None:
-        print(f"fp8linear build: kernels ready in {path}")
+    if compiled:
+        print(f"fp8linear build: kernels compiled into {path}")
+    else:
+        print(f"fp8linear build: nothing to compile, the kernels are ready: {path}")
     return 0
 
 
@@ -139,7 +135,9 @@ def make_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="machine-readable output")
     d.set_defaults(func=_demo)
 
-    b = sub.add_parser("build", help="compile the CUDA kernels now instead of on first use")
+    b = sub.add_parser("build", help="compile the CUDA kernels now instead of on first use "
+                       "(nothing to do where a prebuilt library matches the sources)")
+    b.add_argument("--verbose", action="store_true", help="print the compiler's output")
     b.set_defaults(func=_build)
     return p
 

@@ -6,7 +6,11 @@
 
 namespace fp8l {
 
-enum OutDType : int { kOutBF16 = 0, kOutFP16 = 1 };
+// output and activation data type codes (sm90/tables.def)
+enum OutDType : int {
+#define FP8L_OUT_DTYPE(name, code) name = code,
+#include "sm90/tables.def"
+};
 
 struct GemmArgs {
   const void* a;          // [M, K] fp8 e4m3, row-major
@@ -34,7 +38,10 @@ std::string launch_gemm(const GemmArgs& args, cudaStream_t stream);
 
 // Per-token, per-128-channel activation quantization:
 // x [M, K] (bf16/fp16/fp32) -> q [M, K] fp8, scale_t [num_kb, scale_ld] fp32.
-enum InDType : int { kInBF16 = 0, kInFP16 = 1, kInFP32 = 2, kInFP8 = 3 };
+enum InDType : int {
+#define FP8L_IN_DTYPE(name, code) name = code,
+#include "sm90/tables.def"
+};
 // pdl: launched under programmatic dependent launch (waits for the previous kernel in-kernel)
 std::string launch_quant(const void* x, int in_dtype, void* q, float* scale_t, int scale_ld,
                          int M, int K, bool pdl, cudaStream_t stream);

@@ -3,8 +3,8 @@
 Two kernels, chosen by ``plan.choose`` (via ``launch.decide``): decode (swap-AB, split-K; it
 quantizes the activations itself where its slice is small, else our quant kernel runs first
 and lets it start early under PDL) and the persistent large-M GEMM (behind the quant kernel
-for fp8_linear). Python only hands the extension its tensors; the extension allocates its
-scratch from the torch allocator, so CUDA-graph capture works. Every check that matters ran
+for fp8_linear). Python only hands the kernel library its tensors; the library keeps its
+scratch per stream (csrc/capi.cpp), so CUDA-graph capture works. Every check that matters ran
 in fp8linear/ops.py before we get here.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from ... import knobs
 from ...quant import cdiv, has_row_scales
-from . import build
+from . import library
 from .launch import Launch, decide
 from .plan import shape_ok
 
@@ -23,7 +23,7 @@ name = "sm90"
 
 
 def available() -> bool:
-    return build.available()
+    return library.available()
 
 
 def check_shape(n: int, k: int) -> None:
@@ -61,16 +61,16 @@ def _bias(bias, out):
 
 def _decode(x, x_scale, w, w_scale, bias, out, lp: Launch, quant_first: bool = False):
     p = lp.plan
-    build.load().decode(x, x_scale, w, w_scale, has_row_scales(w_scale, out.shape[1]),
-                        _bias(bias, out), out, lp.ws_floats, lp.tiles, p.config, p.rows,
-                        p.splits, p.ctas_per_sm, lp.pdl, lp.early, quant_first)
+    library.load().decode(x, x_scale, w, w_scale, has_row_scales(w_scale, out.shape[1]),
+                          _bias(bias, out), out, lp.ws_floats, lp.tiles, p.config, p.rows,
+                          p.splits, p.ctas_per_sm, lp.pdl, lp.early, quant_first)
 
 
 def _gemm(a, a_scale_t, w, w_scale, bias, out, lp: Launch):
-    # a_scale_t None: a holds 16/32-bit activations, which the extension quantizes first
-    build.load().gemm(a, a_scale_t, w, w_scale, has_row_scales(w_scale, out.shape[1]),
-                      _bias(bias, out), out, lp.plan.config, lp.gemm_pdl, lp.pdl,
-                      lp.gemm_early_b, lp.gemm_group_m, lp.ws_floats, lp.tiles)
+    # a_scale_t None: a holds 16/32-bit activations, which the library quantizes first
+    library.load().gemm(a, a_scale_t, w, w_scale, has_row_scales(w_scale, out.shape[1]),
+                        _bias(bias, out), out, lp.plan.config, lp.gemm_pdl, lp.pdl,
+                        lp.gemm_early_b, lp.gemm_group_m, lp.ws_floats, lp.tiles)
 
 
 def _fallback():
@@ -129,7 +129,7 @@ def linear(x, w, w_scale, bias, out):
              f"sm90 {'fused quant' if lp.fused else 'quant kernel'} + {lp.plan} "
              f"({lp.plan.rule})")
     if lp.plan.kind == "decode":
-        # fused: the decode kernel quantizes x itself; else the extension runs the quant
+        # fused: the decode kernel quantizes x itself; else the library runs the quant
         # kernel first (under PDL: it lets the GEMM start streaming weights early)
         _decode(x, None, w, w_scale, bias, out, lp, quant_first=not lp.fused)
     else:

@@ -30,7 +30,7 @@ _ENTRY = re.compile(r"^(FP8L_\w+)\(([^)]*)\)", re.M)
 
 
 def _parse(text: str):
-    tiles, decode, limits = [], [], {}
+    tiles, decode, limits, codes = [], [], {}, {}
     for macro, args in _ENTRY.findall(text):
         vals = [a.strip() for a in args.split(",")]
         if macro == "FP8L_GEMM_TILE":
@@ -40,9 +40,12 @@ def _parse(text: str):
             decode.append(int(vals[0]))
         elif macro == "FP8L_LIMIT":
             limits[vals[0]] = int(vals[1])
-    return tuple(tiles), tuple(decode), limits
+        elif macro in ("FP8L_IN_DTYPE", "FP8L_OUT_DTYPE"):
+            codes[vals[0]] = int(vals[1])
+    return tuple(tiles), tuple(decode), limits, codes
 
 
-GEMM_TILES, DECODE_TILES, _LIMITS = _parse((source_dir() / "sm90" / "tables.def").read_text())
+GEMM_TILES, DECODE_TILES, _LIMITS, DTYPE_CODES = _parse(
+    (source_dir() / "sm90" / "tables.def").read_text())
 # dynamic shared memory of a CTA by CTAs an SM
 SMEM_PER_CTA = {1: _LIMITS["kSmemOneCtaPerSm"], 2: _LIMITS["kSmemTwoCtasPerSm"]}
