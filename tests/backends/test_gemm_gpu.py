@@ -522,15 +522,15 @@ def test_sm90_split_tail_parts_sum_deterministically(config, m, n, k, per_row, m
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", _SPLIT_TAIL)
 def test_sm90_split_tail_without_workspace_is_an_error(config):
-    """The extension refuses a split-tail launch without its workspace and counters (the
+    """The kernel library refuses a split-tail launch without its workspace and counters (the
     Python side always passes them) instead of letting the kernel write through null."""
-    from fp8linear.backends.sm90 import build
+    from fp8linear.backends.sm90 import library
     *_, wq, ws, _ = make_data({"m": 300, "n": 1000, "k": 4096, "per_row": False,
                                "out": "bf16", "bias": None, "seed": 7})
     x = torch.randn(300, 4096, device=DEVICE).to(torch.bfloat16)
     out = _poisoned(300, 1000, torch.bfloat16)
     with pytest.raises(RuntimeError, match="fp8linear gemm: split tail: no workspace"):
-        build.load().gemm(x, None, wq, ws, False, None, out, config, False, False, 0, 1, 0, 0)
+        library.load().gemm(x, None, wq, ws, False, None, out, config, False, False, 0, 1, 0, 0)
 
 
 @pytest.mark.gpu
@@ -678,8 +678,8 @@ def test_sm90_quant_kernel_bit_exact(dtype, monkeypatch):
     over many orders of magnitude, signed zeros, tails in K (NaN inputs: the next test); both
     of the kernel's shapes (narrow below 1024 tokens, wide from 1024)."""
     _select("sm90", monkeypatch)
-    from fp8linear.backends.sm90 import build
-    ext = build.load()
+    from fp8linear.backends.sm90 import library
+    ext = library.load()
     g = torch.Generator(device=DEVICE).manual_seed(_seed("quant-bits", dtype))
     for m, k in ((1, 128), (7, 4096), (33, 7168 + 16), (64, 1552), (257, 2064), (1100, 1040)):
         x = torch.randn(m, k, generator=g, device=DEVICE)
@@ -703,8 +703,8 @@ def test_sm90_quantization_nan_makes_its_group_nan(dtype, monkeypatch):
     kernel and in the decode kernel's fused quantization (fp8_linear then gives NaN in that
     token's outputs only, as block_fp8_gemm on the reference's quantization does)."""
     _select("sm90", monkeypatch)
-    from fp8linear.backends.sm90 import build
-    ext = build.load()
+    from fp8linear.backends.sm90 import library
+    ext = library.load()
     g = torch.Generator(device=DEVICE).manual_seed(_seed("quant-nan", dtype))
     m, k = 6, 4096 + 16
     x = torch.randn(m, k, generator=g, device=DEVICE)
@@ -847,13 +847,13 @@ def test_determinism(backend, m, nk, per_row, monkeypatch):
 
 @pytest.mark.gpu
 def test_sm90_extension_rejects_bad_rows_and_oversized_quant(monkeypatch):
-    """Launch arguments the plans never produce are refused by the extension with a
+    """Launch arguments the plans never produce are refused by the kernel library with a
     message, before any launch: decode CTAs owning 72..120 rows at two an SM, a row count off
     the allowed set, and a quantization too large for the quant kernel's int indices (checked
     on stride-0 views, so nothing that size is allocated)."""
     _select("sm90", monkeypatch)
-    from fp8linear.backends.sm90 import build
-    ext = build.load()
+    from fp8linear.backends.sm90 import library
+    ext = library.load()
     m, n, k = 1, 1024, 256
     x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
     wq, ws = fp8linear.quantize_weight(torch.randn(n, k, device=DEVICE))
@@ -876,15 +876,15 @@ def test_sm90_extension_rejects_bad_rows_and_oversized_quant(monkeypatch):
 @pytest.mark.gpu
 def test_sm90_decode_rejects_fp32_for_fused_quantization(monkeypatch):
     """The decode kernel quantizes bf16/fp16 activations itself; fp32 ones must go through
-    the quant kernel first (quant_first), and the extension says so rather than launching."""
+    the quant kernel first (quant_first), and the kernel library says so rather than launching."""
     _select("sm90", monkeypatch)
-    from fp8linear.backends.sm90 import build
+    from fp8linear.backends.sm90 import library
     m, n, k = 1, 128, 256
     x = torch.randn(m, k, device=DEVICE)
     wq, ws = fp8linear.quantize_weight(torch.randn(n, k, device=DEVICE))
     out = _poisoned(m, n, torch.bfloat16)
     with pytest.raises(RuntimeError, match="fused quantization takes bf16/fp16 activations"):
-        build.load().decode(x, None, wq, ws, False, None, out, 0, 1, 0, 128, 1, 1, False,
+        library.load().decode(x, None, wq, ws, False, None, out, 0, 1, 0, 128, 1, 1, False,
                             False, False)
     torch.cuda.synchronize()
     assert bool(out.isnan().all()), "a rejected launch wrote to its output"

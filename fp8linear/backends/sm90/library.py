@@ -57,7 +57,7 @@ class Library:
     def quant(self, x, q, scale_t, pdl: bool) -> None:
         dev = x.device.index
         _check(self._quant(x.data_ptr(), _IN[x.dtype], q.data_ptr(), scale_t.data_ptr(),
-                           scale_t.stride(0), x.shape[0], x.shape[1], pdl, dev, _stream(dev)))
+                           scale_t.shape[1], x.shape[0], x.shape[1], pdl, dev, _stream(dev)))
 
     def gemm(self, a, a_scale_t, w, w_scale, per_row, bias, out, config, pdl, quant_pdl,
              early_b, group_m, ws_floats, tiles) -> None:
