@@ -4,7 +4,6 @@ import json
 import shutil
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
@@ -165,30 +164,64 @@ def test_demo_text_through_the_console_script():
     assert "logits relative error" in p.stdout and "top-1 token agreement" in p.stdout
 
 
-def test_build_reports_a_missing_build_system(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "fp8linear.backends.sm90.build", None)  # import fails
-    rc, _, err = run(capsys, "build")
-    assert rc == 1 and "the kernel build system is not available" in err
-
-
-def test_build_calls_precompile(monkeypatch, capsys):
+@pytest.fixture
+def fake_precompile(monkeypatch):
+    """build.precompile answering (path, compiled now) and recording its verbose argument."""
+    from fp8linear.backends.sm90 import build
     calls = []
-    fake = types.ModuleType("fp8linear.backends.sm90.build")
-    fake.BuildError = RuntimeError
-    fake.precompile = lambda: calls.append(1)
-    monkeypatch.setitem(sys.modules, "fp8linear.backends.sm90.build", fake)
-    assert run(capsys, "build")[0] == 0 and calls == [1]
+
+    def use(result):
+        def precompile(verbose=True):
+            calls.append(verbose)
+            if isinstance(result, Exception):
+                raise result
+            return result
+        monkeypatch.setattr(build, "precompile", precompile)
+        return calls
+    return use
 
 
-def test_build_reports_a_build_error_without_a_traceback(monkeypatch, capsys):
+def test_build_with_nothing_to_compile(fake_precompile, tmp_path, capsys):
+    calls = fake_precompile((tmp_path / "libfp8linear_sm90.so", False))
+    assert run(capsys, "build") == (0, "fp8linear build: nothing to compile, the kernels are "
+                                       f"ready: {tmp_path / 'libfp8linear_sm90.so'}\n", "")
+    assert calls == [False]
+
+
+def test_build_compiles_verbosely_on_request(fake_precompile, tmp_path, capsys):
+    calls = fake_precompile((tmp_path / "libfp8linear_sm90.so", True))
+    assert run(capsys, "build", "--verbose") == (
+        0, f"fp8linear build: kernels compiled into {tmp_path / 'libfp8linear_sm90.so'}\n", "")
+    assert calls == [True]
+
+
+def test_build_reports_a_build_error_without_a_traceback(fake_precompile, capsys):
+    from fp8linear.backends.sm90 import build
+    fake_precompile(build.ToolkitMissingError(
+        "fp8linear: nvcc not found (set CUDA_HOME or install the CUDA toolkit)"))
+    assert run(capsys, "build") == (1, "", "fp8linear build: error: fp8linear: nvcc not found "
+                                           "(set CUDA_HOME or install the CUDA toolkit)\n")
+
+
+def test_build_finds_a_prebuilt_library(tmp_path, monkeypatch, capsys):
+    # the real precompile(): FP8LINEAR_PREBUILT holds a finished build of the current sources
     from fp8linear.backends.sm90 import build
 
-    def precompile():
-        raise build.ToolkitMissingError("fp8linear: nvcc not found (set CUDA_HOME ...)")
-    monkeypatch.setattr(build, "precompile", precompile)
-    rc, out, err = run(capsys, "build")
-    assert rc == 1 and out == ""
-    assert err == "fp8linear build: error: fp8linear: nvcc not found (set CUDA_HOME ...)\n"
+    def no_compile(*args):
+        raise AssertionError("compiled although a prebuilt library was there")
+
+    monkeypatch.setattr(build, "_compile", no_compile)
+    monkeypatch.setattr(build, "PREBUILT_DIR", tmp_path / "no-wheel")
+    monkeypatch.setenv("FP8LINEAR_CACHE", str(tmp_path / "cache"))
+    key = build.current_key()
+    d = tmp_path / "pre" / key
+    d.mkdir(parents=True)
+    (d / build.LIB_NAME).write_bytes(b"lib")
+    (d / "build.json").write_text(json.dumps({"key": key, "lib": build.LIB_NAME}))
+    monkeypatch.setenv("FP8LINEAR_PREBUILT", str(tmp_path / "pre"))
+    assert run(capsys, "build") == (0, "fp8linear build: nothing to compile, the kernels are "
+                                       f"ready: {d / build.LIB_NAME}\n", "")
+    assert not (tmp_path / "cache").exists()
 
 
 def test_transformers_llama_round_trip(tmp_path, capsys):

@@ -1,10 +1,11 @@
-"""fp8linear/backends/sm90/backend.py's glue on the CPU: what it hands the extension (tensors,
-layouts, flags) for each launch (launch.decide), with a recording stand-in for the compiled
-module. The kernels themselves are tested on the GPU (tests/backends/test_gemm_gpu.py); this
-keeps CI on the Python side of every launch."""
+"""fp8linear/backends/sm90/backend.py's glue on the CPU: what it hands the kernel library
+(tensors, layouts, flags) for each launch (launch.decide), with a recording stand-in for
+library.Library. The kernels themselves are tested on the GPU (tests/backends/test_gemm_gpu.py);
+this keeps CI on the Python side of every launch."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import pytest
 import torch
@@ -12,12 +13,12 @@ import torch
 import fp8linear
 from fp8linear import knobs
 from fp8linear.backends.sm90 import backend as sm90
-from fp8linear.backends.sm90 import launch, plan
+from fp8linear.backends.sm90 import launch, library, plan
 from fp8linear.backends.sm90.tiles import GEMM_TILES
 
 
 class Recorder:
-    """Stands in for the compiled extension: records each call's arguments."""
+    """Stands in for library.Library: records each call's arguments."""
 
     def __init__(self):
         self.calls = []
@@ -38,13 +39,20 @@ class Recorder:
 
 
 @pytest.fixture
-def ext(monkeypatch):
+def lib(monkeypatch):
     rec = Recorder()
-    monkeypatch.setattr(sm90.build, "load", lambda: rec)
+    monkeypatch.setattr(library, "load", lambda: rec)
     monkeypatch.setattr(launch, "num_sms", lambda index: 132)
     monkeypatch.delenv("FP8LINEAR_PDL", raising=False)
     assert plan.current() == plan.NONE      # nothing forced: the rules decide
     return rec
+
+
+@pytest.mark.parametrize("method", ["gemm", "decode"])
+def test_recorder_takes_what_the_library_takes(method):
+    # the stand-in must not drift from the real methods the backend calls
+    assert list(inspect.signature(getattr(Recorder, method)).parameters) == \
+        list(inspect.signature(getattr(library.Library, method)).parameters)
 
 
 def _operands(m, n, k):
@@ -59,36 +67,36 @@ def _out(m, n):
     return torch.empty(m, n, dtype=torch.bfloat16)
 
 
-def test_gemm_reads_column_major_scales_in_place(ext):
+def test_gemm_reads_column_major_scales_in_place(lib):
     m, n, k = 600, 4096, 4096
     _, a, a_s, w, ws = _operands(m, n, k)
     col = torch.empty(a_s.shape[1], 600)[:, :m].copy_(a_s.t()).t()   # strides (1, 600)
     sm90.gemm(a, col, w, ws, None, _out(m, n))
-    (kind, c), = ext.calls
+    (kind, c), = lib.calls
     assert kind == "gemm" and c["config"] == plan.choose(m, n, k, 132).config
     # the [Kb, M] view of the caller's own storage: no copy
     assert c["a_scale_t"].data_ptr() == col.data_ptr() and c["a_scale_t"].stride() == (600, 1)
 
 
 @pytest.mark.parametrize("m", [600, 601])
-def test_gemm_copies_row_major_scales_into_tma_rows(ext, m):
+def test_gemm_copies_row_major_scales_into_tma_rows(lib, m):
     n, k = 4096, 4096
     _, a, a_s, w, ws = _operands(m, n, k)
     sm90.gemm(a, a_s, w, ws, None, _out(m, n))
-    (_, c), = ext.calls
+    (_, c), = lib.calls
     st = c["a_scale_t"]
     ld = -(-m // 4) * 4                      # 16-byte rows
     assert st.shape == (k // 128, ld) and st.is_contiguous()
     assert torch.equal(st[:, :m], a_s.t())
 
 
-def test_linear_large_m_hands_raw_activations_to_the_extension(ext):
-    """Large M: the extension quantizes x (its own scratch) and runs the GEMM, both under
+def test_linear_large_m_hands_raw_activations_to_the_library(lib):
+    """Large M: the library quantizes x (its own scratch) and runs the GEMM, both under
     PDL, so the GEMM's launch and prologue overlap the quant kernel."""
     m, n, k = 200, 28672, 4096
     x, _, _, w, ws = _operands(m, n, k)
     sm90.linear(x, w, ws, None, _out(m, n))
-    (kind, g), = ext.calls
+    (kind, g), = lib.calls
     assert kind == "gemm" and g["a"] is x and g["a_scale_t"] is None
     assert g["config"] == plan.choose(m, n, k, 132, after_quant=True).config
     assert g["pdl"] is True and g["quant_pdl"] is True
@@ -101,34 +109,34 @@ def test_linear_large_m_hands_raw_activations_to_the_extension(ext):
     (200, 4096, 4),         # 129-256 tokens over >= 8 K blocks too
     (600, 4096, 0),         # past the decode sizes
 ])
-def test_gemm_early_weights_follow_the_rule(ext, m, n, early):
+def test_gemm_early_weights_follow_the_rule(lib, m, n, early):
     k = 4096
     _, a, a_s, w, ws = _operands(m, n, k)
     sm90.gemm(a, a_s, w, ws, None, _out(m, n))
-    (_, c), = ext.calls
+    (_, c), = lib.calls
     assert c["early_b"] == early
     assert early == launch.gemm_early_weights(m, k, c["config"], False)
 
 
 @pytest.mark.parametrize("m,k,group", [(4096, 8192, 4), (4096, 4096, 16), (600, 8192, 8)])
-def test_gemm_tile_order_band_follows_the_rule(ext, m, k, group):
+def test_gemm_tile_order_band_follows_the_rule(lib, m, k, group):
     n = 256
     _, a, a_s, w, ws = _operands(m, n, k)
     sm90.gemm(a, a_s, w, ws, None, _out(m, n))
-    (_, c), = ext.calls
+    (_, c), = lib.calls
     assert c["group_m"] == group == launch.gemm_group_m(m, k)
     with plan.forced(gemm_group_m=2):
         sm90.gemm(a, a_s, w, ws, None, _out(m, n))
-    assert ext.calls[-1][1]["group_m"] == 2
+    assert lib.calls[-1][1]["group_m"] == 2
 
 
-def test_gemm_early_weights_need_pdl(ext):
+def test_gemm_early_weights_need_pdl(lib):
     # the early loads only mean something under PDL: with it off they are off too
     m, n, k = 64, 28672, 4096
     _, a, a_s, w, ws = _operands(m, n, k)
     with plan.forced(gemm_pdl=False):
         sm90.gemm(a, a_s, w, ws, None, _out(m, n))
-    assert ext.calls[-1][1]["pdl"] is False and ext.calls[-1][1]["early_b"] == 0
+    assert lib.calls[-1][1]["pdl"] is False and lib.calls[-1][1]["early_b"] == 0
 
 
 def _pdl_env(monkeypatch, on):
@@ -141,18 +149,18 @@ def _pdl_forced(monkeypatch, on):
 
 
 @pytest.mark.parametrize("switch", [_pdl_env, _pdl_forced], ids=["FP8LINEAR_PDL", "forced"])
-def test_gemm_pdl_switches(ext, monkeypatch, switch):
+def test_gemm_pdl_switches(lib, monkeypatch, switch):
     m, n, k = 600, 4096, 4096
     _, a, a_s, w, ws = _operands(m, n, k)
     with switch(monkeypatch, False):
         sm90.gemm(a, a_s, w, ws, None, _out(m, n))
-    assert ext.calls[-1][0] == "gemm" and ext.calls[-1][1]["pdl"] is False
+    assert lib.calls[-1][0] == "gemm" and lib.calls[-1][1]["pdl"] is False
     with switch(monkeypatch, True):
         sm90.gemm(a, a_s, w, ws, None, _out(m, n))
-    assert ext.calls[-1][1]["pdl"] is True
+    assert lib.calls[-1][1]["pdl"] is True
 
 
-def test_split_tail_gemm_gets_a_workspace(ext):
+def test_split_tail_gemm_gets_a_workspace(lib):
     """A split-tail configuration gets one fp32 tile a CTA of workspace and a counter a tile;
     whole-tile configurations get none."""
     m, n, k = 1024, 2112, 7168
@@ -161,20 +169,20 @@ def test_split_tail_gemm_gets_a_workspace(ext):
     bm, bn = GEMM_TILES[sk].bm, GEMM_TILES[sk].bn
     with plan.forced(gemm_config=sk):
         sm90.gemm(a, a_s, w, ws, None, _out(m, n))
-    d = ext.calls[-1][1]
+    d = lib.calls[-1][1]
     assert d["config"] == sk and d["ws_floats"] == 132 * bm * bn
     assert d["tiles"] == (m // bm) * -(-n // bn)    # 8 x 11 tiles of 128x192
     with plan.forced(gemm_config=3):   # the same tile, whole tiles
         sm90.gemm(a, a_s, w, ws, None, _out(m, n))
-    d = ext.calls[-1][1]
+    d = lib.calls[-1][1]
     assert d["config"] == 3 and d["ws_floats"] == 0 and d["tiles"] == 0
 
 
-def test_linear_fused_decode_passes_raw_activations(ext):
+def test_linear_fused_decode_passes_raw_activations(lib):
     m, n, k = 1, 4096, 4096        # 64-row tiles, two splits, two CTAs an SM: fused
     x, _, _, w, ws = _operands(m, n, k)
     sm90.linear(x, w, ws, None, _out(m, n))
-    (kind, d), = ext.calls
+    (kind, d), = lib.calls
     assert kind == "decode" and d["x"] is x and d["x_scale"] is None
     assert d["quant_first"] is False   # the kernel quantizes x itself
     assert (d["rows"], d["splits"], d["ctas"]) == (64, 2, 2)
@@ -182,38 +190,38 @@ def test_linear_fused_decode_passes_raw_activations(ext):
     assert d["ws_floats"] == 2 * 64 * 8 * 64        # [splits][tiles][BT][rows] fp32
 
 
-def test_decode_split_reduction_workspace(ext, monkeypatch):
+def test_decode_split_reduction_workspace(lib, monkeypatch):
     m, n, k = 1, 2112, 7168        # 33 tiles of 64 rows x four splits: the workspace reduction
     x, _, _, w, ws = _operands(m, n, k)
     sm90.linear(x, w, ws, None, _out(m, n))
-    (_, d), = ext.calls
+    (_, d), = lib.calls
     assert (d["splits"], d["rows"]) == (4, 64)
     assert d["ws_floats"] == 4 * 33 * 8 * 64        # [splits][tiles][BT][rows] fp32
     assert d["tiles"] == 33                         # one reduction counter each
     assert d["early"] is True
-    ext.calls.clear()
+    lib.calls.clear()
     with plan.forced(decode_early_trigger=False):
         sm90.linear(x, w, ws, None, _out(m, n))
-        assert ext.calls[-1][1]["early"] is False
+        assert lib.calls[-1][1]["early"] is False
         monkeypatch.setenv("FP8LINEAR_PDL", "0")
         sm90.linear(x, w, ws, None, _out(m, n))
-        assert ext.calls[-1][1]["pdl"] is False
+        assert lib.calls[-1][1]["pdl"] is False
 
 
-def test_linear_unfused_decode_quantizes_first(ext):
+def test_linear_unfused_decode_quantizes_first(lib):
     m, n, k = 20, 2112, 7168       # 32-token tiles over 56 K blocks: quant kernel + decode
     x, _, _, w, ws = _operands(m, n, k)
     p = plan.choose(m, n, k, 132)
     assert p.kind == "decode" and not launch.fuse_quant(m, k, p)
     sm90.linear(x, w, ws, None, _out(m, n))
-    (kind, d), = ext.calls
-    # the extension runs the quant kernel first, both under PDL (the quant kernel may start
+    (kind, d), = lib.calls
+    # the library runs the quant kernel first, both under PDL (the quant kernel may start
     # during the previous decode GEMM)
     assert kind == "decode" and d["x"] is x and d["x_scale"] is None
     assert d["quant_first"] is True and d["pdl"] is True
 
 
-def test_launch_decided_once_per_shape(ext, monkeypatch):
+def test_launch_decided_once_per_shape(lib, monkeypatch):
     """The plan, fusion and knob reads are made once per (M, N, K, dtype, device) while knobs
     are cached (the eager hot path then does a dict lookup), and again after knobs.reload()
     or when plan.forced() changes the overrides."""
@@ -228,28 +236,28 @@ def test_launch_decided_once_per_shape(ext, monkeypatch):
     try:
         for _ in range(3):
             sm90.linear(x, w, ws, None, _out(m, n))
-        assert len(calls) == 1 and len(ext.calls) == 3
+        assert len(calls) == 1 and len(lib.calls) == 3
         sm90.linear(x[:, :2048].contiguous(), w[:, :2048].contiguous(),
                     ws[:, :16].contiguous(), None, _out(m, n))          # another K
         assert len(calls) == 2
         monkeypatch.setenv("FP8LINEAR_PDL", "0")   # a knob change is seen after knobs.reload()
         sm90.linear(x, w, ws, None, _out(m, n))
-        assert ext.calls[-1][1]["pdl"] is True and len(calls) == 2
+        assert lib.calls[-1][1]["pdl"] is True and len(calls) == 2
         knobs.reload()
         sm90.linear(x, w, ws, None, _out(m, n))
-        assert ext.calls[-1][1]["pdl"] is False and len(calls) == 3
+        assert lib.calls[-1][1]["pdl"] is False and len(calls) == 3
         sm90.linear(x, w, ws, None, _out(m, n))
         assert len(calls) == 3
         with plan.forced(decode_early_trigger=False):   # forcing decides again, in and out
             sm90.linear(x, w, ws, None, _out(m, n))
-            assert ext.calls[-1][1]["early"] is False and len(calls) == 4
+            assert lib.calls[-1][1]["early"] is False and len(calls) == 4
         sm90.linear(x, w, ws, None, _out(m, n))
-        assert ext.calls[-1][1]["early"] is True and len(calls) == 5
+        assert lib.calls[-1][1]["early"] is True and len(calls) == 5
     finally:
         knobs.reload()
 
 
-def test_launch_cache_is_bounded(ext, monkeypatch):
+def test_launch_cache_is_bounded(lib, monkeypatch):
     monkeypatch.setattr(knobs, "CACHE_VALUES", True)
     monkeypatch.setattr(launch, "_launches", {})
     monkeypatch.setattr(launch, "_MAX_LAUNCHES", 3)
@@ -257,6 +265,6 @@ def test_launch_cache_is_bounded(ext, monkeypatch):
         for m in range(1, 6):
             x, _, _, w, ws = _operands(m, 256, 256)
             sm90.linear(x, w, ws, None, _out(m, 256))
-        assert 1 <= len(launch._launches) <= 3 and len(ext.calls) == 5
+        assert 1 <= len(launch._launches) <= 3 and len(lib.calls) == 5
     finally:
         knobs.reload()
