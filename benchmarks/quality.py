@@ -647,16 +647,16 @@ def format_table(result: dict) -> str:
     h = result["header"]
     lines = [f"{h['model']['name']}; {h['scored_tokens']} scored tokens in {h['windows']} "
              f"windows of {h['window']}; {h['device']}",
-             f"{'engine':13s} {'model':15s} {'quantization':14s} {'ppl':>8s} {'top1':>7s} "
+             f"{'engine':13s} {'model':16s} {'quantization':14s} {'ppl':>8s} {'top1':>7s} "
              f"{'|dlogp|':>8s}"]
     for r in result["rows"]:
         if r.get("error"):
-            lines.append(f"{r['engine']:13s} {r['model']:15s} {str(r['quantization']):14s} "
+            lines.append(f"{r['engine']:13s} {r['model']:16s} {str(r['quantization'])[:14]:14s} "
                          f"error: {r['error'][:120]}")
             continue
         t1 = f"{r['top1_agree']:.2%}" if "top1_agree" in r else "-"
         dl = f"{r['mean_abs_dlogprob']:.4f}" if "mean_abs_dlogprob" in r else "-"
-        lines.append(f"{r['engine']:13s} {r['model']:15s} {str(r['quantization']):14s} "
+        lines.append(f"{r['engine']:13s} {r['model']:16s} {str(r['quantization'])[:14]:14s} "
                      f"{r['ppl']:8.3f} {t1:>7s} {dl:>8s}")
     return "\n".join(lines)
 
