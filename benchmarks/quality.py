@@ -652,7 +652,7 @@ def format_table(result: dict) -> str:
     for r in result["rows"]:
         if r.get("error"):
             lines.append(f"{r['engine']:13s} {r['model']:16s} {str(r['quantization'])[:14]:14s} "
-                         f"error: {r['error'][:120]}")
+                         f"error: {' '.join(r['error'].split())[:120]}")
             continue
         t1 = f"{r['top1_agree']:.2%}" if "top1_agree" in r else "-"
         dl = f"{r['mean_abs_dlogprob']:.4f}" if "mean_abs_dlogprob" in r else "-"
