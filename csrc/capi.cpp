@@ -1,6 +1,8 @@
 // The kernel library's C entry points: raw device pointers, sizes and the CUDA stream; no
 // torch, no Python. fp8linear/backends/sm90/library.py loads the library with ctypes, so one
-// build serves every torch and Python version. Each function returns nullptr on success, else
+// build serves every torch and Python version. Each entry point takes one argument struct
+// (sm90/tables.def lists its fields, which Python packs in one call: a few hundred ns, where
+// ctypes' per-argument conversions cost microseconds) and returns nullptr on success, else
 // the error text (valid until the calling thread's next call).
 //
 // Scratch (quantized activations, split-K partials, the split reductions' tile counters) is the
@@ -121,102 +123,134 @@ std::string quantize_into(const void* x, int x_dtype, int m, int k, bool pdl, vo
 
 }  // namespace
 
+// The argument structs, field by field from sm90/tables.def.
+using fp8l_ptr = const void*;
+using fp8l_i64 = long long;
+using fp8l_i32 = int;
+#define FP8L_FIELD(kind, name) fp8l_##kind name;
+#define FP8L_SKIP(kind, name)
+
+struct QuantCall {
+#define FP8L_ARG(entry, kind, name) FP8L_ARG_##entry(kind, name)
+#define FP8L_ARG_quant FP8L_FIELD
+#define FP8L_ARG_gemm FP8L_SKIP
+#define FP8L_ARG_decode FP8L_SKIP
+#include "sm90/tables.def"
+#undef FP8L_ARG_quant
+#undef FP8L_ARG_gemm
+#undef FP8L_ARG_decode
+};
+struct GemmCall {
+#define FP8L_ARG(entry, kind, name) FP8L_ARG_##entry(kind, name)
+#define FP8L_ARG_quant FP8L_SKIP
+#define FP8L_ARG_gemm FP8L_FIELD
+#define FP8L_ARG_decode FP8L_SKIP
+#include "sm90/tables.def"
+#undef FP8L_ARG_quant
+#undef FP8L_ARG_gemm
+#undef FP8L_ARG_decode
+};
+struct DecodeCall {
+#define FP8L_ARG(entry, kind, name) FP8L_ARG_##entry(kind, name)
+#define FP8L_ARG_quant FP8L_SKIP
+#define FP8L_ARG_gemm FP8L_SKIP
+#define FP8L_ARG_decode FP8L_FIELD
+#include "sm90/tables.def"
+#undef FP8L_ARG_quant
+#undef FP8L_ARG_gemm
+#undef FP8L_ARG_decode
+};
+
 #define FP8L_API __attribute__((visibility("default")))
 
 extern "C" {
 
 // Version of this interface: library.py refuses a library whose version differs.
-FP8L_API int fp8l_abi_version() { return 1; }
+FP8L_API int fp8l_abi_version() { return 2; }
 
-// Per-token, per-128-channel quantization: x [M, K] (x_dtype: fp8l::InDType) -> q [M, K] fp8,
-// scale_t [num_kb, scale_ld] fp32.
-FP8L_API const char* fp8l_quant(const void* x, int x_dtype, void* q, float* scale_t,
-                                int scale_ld, int m, int k, int pdl, int device, void* stream) {
-  const cudaError_t e = use_device(device);
+// sizeof of each argument struct: library.py checks its packed layout against them at load.
+FP8L_API int fp8l_arg_size(int entry) {
+  return entry == 0 ? int(sizeof(QuantCall)) : entry == 1 ? int(sizeof(GemmCall))
+                                                          : int(sizeof(DecodeCall));
+}
+
+// Per-token, per-128-channel quantization: x [M, K] -> q [M, K] fp8, scale_t [num_kb, scale_ld].
+FP8L_API const char* fp8l_quant(const QuantCall* c) {
+  const cudaError_t e = use_device(c->device);
   if (e != cudaSuccess) return result(cudaGetErrorString(e), "quant device");
-  return result(fp8l::launch_quant(x, x_dtype, q, scale_t, scale_ld, m, k, pdl != 0,
-                                   static_cast<cudaStream_t>(stream)),
+  return result(fp8l::launch_quant(c->x, c->x_dtype, const_cast<void*>(c->q),
+                                   static_cast<float*>(const_cast<void*>(c->scale_t)),
+                                   c->scale_ld, c->m, c->k, c->pdl != 0,
+                                   static_cast<cudaStream_t>(const_cast<void*>(c->stream))),
                 "quant");
 }
 
-// Large-M GEMM (fp8l::GemmArgs). a_scale_t nullptr: `a` holds 16/32-bit activations (a_dtype)
-// that the quant kernel quantizes first (under PDL when quant_pdl). ws_floats > 0: the
-// split-tail configurations' fp32 partials and `tiles` counters.
-FP8L_API const char* fp8l_gemm(const void* a, int a_dtype, const float* a_scale_t,
-                               int a_scale_ld, const void* w, const float* w_scale, int per_row,
-                               const void* bias, int bias_f32, void* out, int out_dtype, int m,
-                               int n, int k, int config, int pdl, int quant_pdl, int early_b,
-                               int group_m, long long ws_floats, long long tiles, int device,
-                               void* stream) {
-  const auto s = static_cast<cudaStream_t>(stream);
-  const bool quant_first = a_scale_t == nullptr;
-  const size_t q_bytes = quant_first ? align16(quant_bytes(m, k)) : 0;
+// Large-M GEMM (fp8l::GemmArgs). a_scale_t null: `a` holds 16/32-bit activations that the
+// quant kernel quantizes first (under PDL when quant_pdl).
+FP8L_API const char* fp8l_gemm(const GemmCall* c) {
+  const auto s = static_cast<cudaStream_t>(const_cast<void*>(c->stream));
+  const bool quant_first = c->a_scale_t == nullptr;
+  const size_t q_bytes = quant_first ? align16(quant_bytes(c->m, c->k)) : 0;
   Scratch sc;
-  cudaError_t e = use_device(device);
-  if (e == cudaSuccess) e = scratch(s, q_bytes + size_t(ws_floats) * 4, size_t(tiles), &sc);
+  cudaError_t e = use_device(c->device);
+  if (e == cudaSuccess) e = scratch(s, q_bytes + size_t(c->ws_floats) * 4, size_t(c->tiles), &sc);
   if (e != cudaSuccess) return result(cudaGetErrorString(e), "gemm scratch");
   fp8l::GemmArgs g{};
   if (quant_first) {
     void* q = nullptr;
     float* st = nullptr;
     int ld = 0;
-    const std::string err = quantize_into(a, a_dtype, m, k, quant_pdl != 0, sc.bytes, s, &q,
-                                          &st, &ld);
+    const std::string err = quantize_into(c->a, c->a_dtype, c->m, c->k, c->quant_pdl != 0,
+                                          sc.bytes, s, &q, &st, &ld);
     if (!err.empty()) return result(err, "quant");
     g.a = q;
     g.a_scale_t = st;
     g.a_scale_ld = ld;
   } else {
-    g.a = a;
-    g.a_scale_t = a_scale_t;
-    g.a_scale_ld = a_scale_ld;
+    g.a = c->a;
+    g.a_scale_t = static_cast<const float*>(c->a_scale_t);
+    g.a_scale_ld = c->a_scale_ld;
   }
-  g.w = w;
-  g.w_scale = w_scale;
-  g.w_scale_per_row = per_row != 0;
-  g.bias = bias;
-  g.bias_f32 = bias_f32 != 0;
-  g.out = out;
-  g.out_dtype = out_dtype;
-  g.M = m;
-  g.N = n;
-  g.K = k;
-  g.config = config;
+  g.w = c->w;
+  g.w_scale = static_cast<const float*>(c->w_scale);
+  g.w_scale_per_row = c->per_row != 0;
+  g.bias = c->bias;
+  g.bias_f32 = c->bias_f32 != 0;
+  g.out = const_cast<void*>(c->out);
+  g.out_dtype = c->out_dtype;
+  g.M = c->m;
+  g.N = c->n;
+  g.K = c->k;
+  g.config = c->config;
   g.num_sms = num_sms();
-  g.pdl = pdl != 0;
-  g.early_b = early_b;
-  g.group_m = group_m;
-  if (ws_floats > 0) {
+  g.pdl = c->pdl != 0;
+  g.early_b = c->early_b;
+  g.group_m = c->group_m;
+  if (c->ws_floats > 0) {
     g.workspace = reinterpret_cast<float*>(static_cast<uint8_t*>(sc.bytes) + q_bytes);
     g.counters = sc.counters;
   }
   return result(fp8l::launch_gemm(g, s), "gemm");
 }
 
-// Decode GEMM (fp8l::DecodeArgs). x_dtype kInFP8: x quantized, scales at
-// x_scale[m * xs_stride_m + kb * xs_stride_kb]; bf16/fp16 x quantized in the kernel, or by the
-// quant kernel first (quant_first). ws_floats > 0: split-K partials and `tiles` counters.
-FP8L_API const char* fp8l_decode(const void* x, int x_dtype, const float* x_scale,
-                                 int xs_stride_m, int xs_stride_kb, const void* w,
-                                 const float* w_scale, int per_row, const void* bias,
-                                 int bias_f32, void* out, int out_dtype, int m, int n, int k,
-                                 int config, int rows, int splits, int ctas_per_sm, int pdl,
-                                 int early_trigger, int quant_first, long long ws_floats,
-                                 long long tiles, int device, void* stream) {
-  const auto s = static_cast<cudaStream_t>(stream);
-  const size_t q_bytes = quant_first ? align16(quant_bytes(m, k)) : 0;
+// Decode GEMM (fp8l::DecodeArgs): fp8 x with its scales; or bf16/fp16 x quantized in the
+// kernel, or by the quant kernel first (quant_first).
+FP8L_API const char* fp8l_decode(const DecodeCall* c) {
+  const auto s = static_cast<cudaStream_t>(const_cast<void*>(c->stream));
+  const size_t q_bytes = c->quant_first ? align16(quant_bytes(c->m, c->k)) : 0;
   Scratch sc;
-  cudaError_t e = use_device(device);
-  if (e == cudaSuccess) e = scratch(s, q_bytes + size_t(ws_floats) * 4, size_t(tiles), &sc);
+  cudaError_t e = use_device(c->device);
+  if (e == cudaSuccess) e = scratch(s, q_bytes + size_t(c->ws_floats) * 4, size_t(c->tiles), &sc);
   if (e != cudaSuccess) return result(cudaGetErrorString(e), "decode scratch");
   fp8l::DecodeArgs d{};
-  if (quant_first) {
+  if (c->quant_first) {
     // (under PDL: after a decode GEMM that lets its dependents launch early, the quant kernel
     // starts at once and waits for its input in-kernel)
     void* q = nullptr;
     float* st = nullptr;
     int ld = 0;
-    const std::string err = quantize_into(x, x_dtype, m, k, pdl != 0, sc.bytes, s, &q, &st, &ld);
+    const std::string err = quantize_into(c->x, c->x_dtype, c->m, c->k, c->pdl != 0, sc.bytes,
+                                          s, &q, &st, &ld);
     if (!err.empty()) return result(err, "quant");
     d.x = q;
     d.x_dtype = fp8l::kInFP8;
@@ -224,31 +258,31 @@ FP8L_API const char* fp8l_decode(const void* x, int x_dtype, const float* x_scal
     d.xs_stride_m = 1;
     d.xs_stride_kb = ld;
   } else {
-    d.x = x;
-    d.x_dtype = x_dtype;
-    d.x_scale = x_scale;
-    d.xs_stride_m = xs_stride_m;
-    d.xs_stride_kb = xs_stride_kb;
+    d.x = c->x;
+    d.x_dtype = c->x_dtype;
+    d.x_scale = static_cast<const float*>(c->x_scale);
+    d.xs_stride_m = c->xs_stride_m;
+    d.xs_stride_kb = c->xs_stride_kb;
   }
-  if (ws_floats > 0)
+  if (c->ws_floats > 0)
     d.workspace = reinterpret_cast<float*>(static_cast<uint8_t*>(sc.bytes) + q_bytes);
   d.counters = sc.counters;
-  d.w = w;
-  d.w_scale = w_scale;
-  d.w_scale_per_row = per_row != 0;
-  d.bias = bias;
-  d.bias_f32 = bias_f32 != 0;
-  d.out = out;
-  d.out_dtype = out_dtype;
-  d.M = m;
-  d.N = n;
-  d.K = k;
-  d.config = config;
-  d.rows = rows;
-  d.splits = splits;
-  d.ctas_per_sm = ctas_per_sm;
-  d.pdl = pdl != 0;
-  d.early_trigger = early_trigger != 0;
+  d.w = c->w;
+  d.w_scale = static_cast<const float*>(c->w_scale);
+  d.w_scale_per_row = c->per_row != 0;
+  d.bias = c->bias;
+  d.bias_f32 = c->bias_f32 != 0;
+  d.out = const_cast<void*>(c->out);
+  d.out_dtype = c->out_dtype;
+  d.M = c->m;
+  d.N = c->n;
+  d.K = c->k;
+  d.config = c->config;
+  d.rows = c->rows;
+  d.splits = c->splits;
+  d.ctas_per_sm = c->ctas_per_sm;
+  d.pdl = c->pdl != 0;
+  d.early_trigger = c->early_trigger != 0;
   d.num_sms = num_sms();
   return result(fp8l::launch_decode(d, s), "decode");
 }

@@ -4,7 +4,7 @@ as it is).
 ``FP8LINEAR_BUILD_KERNELS=1 python -m build --wheel`` compiles every kernel with nvcc (no GPU
 needed; a few minutes on two cores) into a py3-none-manylinux_2_34 wheel that carries the
 library prebuilt: it must hold only the package, depend on nothing of CUDA, torch or Python,
-export exactly the four C entry points, and, once installed, be what fp8linear loads with
+export exactly the C entry points, and, once installed, be what fp8linear loads with
 nothing to compile. Plain ``python -m build --wheel`` is the pure wheel: no binary at all.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from fp8linear.backends.sm90 import build
 
 REPO = Path(__file__).resolve().parents[1]
 PRE = "fp8linear/backends/sm90/prebuilt/"
-ENTRY_POINTS = {"fp8l_abi_version", "fp8l_quant", "fp8l_gemm", "fp8l_decode"}
+ENTRY_POINTS = {"fp8l_abi_version", "fp8l_arg_size", "fp8l_quant", "fp8l_gemm", "fp8l_decode"}
 # what a self-contained library may need: the C/C++ runtime of the system, nothing else
 SYSTEM_LIBS = re.compile(r"(libc|libm|libgcc_s|libstdc\+\+|libdl|libpthread|librt)\.so\.\d+"
                          r"|ld-linux-x86-64\.so\.2")

@@ -1,14 +1,17 @@
 """The kernel library loaded through ctypes, with the calls the sm90 backend makes.
 
-The library (build.py) has plain C entry points (csrc/capi.cpp): device pointers, sizes, the
-CUDA stream. Nothing here is tied to a torch or Python version. Each call costs a few hundred
-nanoseconds of host time beyond the kernels' launch: pointers and sizes only, no allocation
-(the library keeps its scratch per stream).
+The library (build.py) has plain C entry points (csrc/capi.cpp) that take one argument struct:
+device pointers, sizes, the CUDA stream. Nothing here is tied to a torch or Python version.
+A call packs its struct in one ``struct.pack`` (the layout from csrc/sm90/tables.def, checked
+against the library's at load) and passes it by pointer, holding the GIL (the entry points
+only launch kernels): far cheaper than ctypes' per-argument conversions. No allocation per
+call: the library keeps its scratch per stream.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
+import struct
 import threading
 import warnings
 from pathlib import Path
@@ -16,18 +19,33 @@ from pathlib import Path
 import torch
 
 from . import build
-from .tiles import DTYPE_CODES
+from .tiles import DTYPE_CODES, ENTRY_ARGS
 
-ABI_VERSION = 1  # csrc/capi.cpp fp8l_abi_version()
+ABI_VERSION = 2  # csrc/capi.cpp fp8l_abi_version()
+_ENTRIES = ("quant", "gemm", "decode")  # fp8l_arg_size's numbering
+_KIND = {"ptr": "P", "i64": "q", "i32": "i"}
 
-_P, _I, _LL = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-_SIGNATURES = {
-    "fp8l_quant": [_P, _I, _P, _P, _I, _I, _I, _I, _I, _P],
-    "fp8l_gemm": [_P, _I, _P, _I, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I,
-                  _LL, _LL, _I, _P],
-    "fp8l_decode": [_P, _I, _P, _I, _I, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _I,
-                    _I, _I, _I, _LL, _LL, _I, _P],
-}
+
+def _layout(entry: str, names: tuple) -> struct.Struct:
+    """The packed layout of an entry's struct; ``names`` is the order this module passes its
+    fields in, which must be tables.def's."""
+    fields = ENTRY_ARGS[entry]
+    if tuple(n for _, n in fields) != names:
+        raise AssertionError(f"fp8l_{entry}: fields {names} differ from tables.def's")
+    return struct.Struct("@" + "".join(_KIND[k] for k, _ in fields))
+
+
+_QUANT = _layout("quant", ("x", "q", "scale_t", "stream", "x_dtype", "scale_ld", "m", "k",
+                           "pdl", "device"))
+_GEMM = _layout("gemm", ("a", "a_scale_t", "w", "w_scale", "bias", "out", "stream",
+                         "ws_floats", "tiles", "a_dtype", "a_scale_ld", "per_row", "bias_f32",
+                         "out_dtype", "m", "n", "k", "config", "pdl", "quant_pdl", "early_b",
+                         "group_m", "device"))
+_DECODE = _layout("decode", ("x", "x_scale", "w", "w_scale", "bias", "out", "stream",
+                             "ws_floats", "tiles", "x_dtype", "xs_stride_m", "xs_stride_kb",
+                             "per_row", "bias_f32", "out_dtype", "m", "n", "k", "config", "rows",
+                             "splits", "ctas_per_sm", "pdl", "early_trigger", "quant_first",
+                             "device"))
 _IN = {torch.bfloat16: DTYPE_CODES["kInBF16"], torch.float16: DTYPE_CODES["kInFP16"],
        torch.float32: DTYPE_CODES["kInFP32"], torch.float8_e4m3fn: DTYPE_CODES["kInFP8"]}
 _OUT = {torch.bfloat16: DTYPE_CODES["kOutBF16"], torch.float16: DTYPE_CODES["kOutFP16"]}
@@ -44,46 +62,53 @@ class Library:
 
     def __init__(self, path: Path):
         self.path = path
-        lib = ctypes.CDLL(str(path))
+        lib = ctypes.PyDLL(str(path))  # the GIL stays held: launches only, no callbacks
         version = lib.fp8l_abi_version()
         if version != ABI_VERSION:
             raise build.BuildError(f"fp8linear: {path} has interface version {version}, "
                                    f"expected {ABI_VERSION}; delete it to rebuild")
-        for name, args in _SIGNATURES.items():
+        for i, (entry, layout) in enumerate(zip(_ENTRIES, (_QUANT, _GEMM, _DECODE))):
+            size = lib.fp8l_arg_size(i)
+            if size != -(-layout.size // 8) * 8:
+                raise build.BuildError(f"fp8linear: {path}: fp8l_{entry}'s arguments take "
+                                       f"{size} bytes, tables.def's {layout.size}")
+        for name in ("fp8l_quant", "fp8l_gemm", "fp8l_decode"):
             fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, ctypes.c_char_p
+            fn.argtypes, fn.restype = [ctypes.c_char_p], ctypes.c_char_p
         self._quant, self._gemm, self._decode = lib.fp8l_quant, lib.fp8l_gemm, lib.fp8l_decode
 
     def quant(self, x, q, scale_t, pdl: bool) -> None:
         dev = x.device.index
-        _check(self._quant(x.data_ptr(), _IN[x.dtype], q.data_ptr(), scale_t.data_ptr(),
-                           scale_t.shape[1], x.shape[0], x.shape[1], pdl, dev, _stream(dev)))
+        _check(self._quant(_QUANT.pack(
+            x.data_ptr(), q.data_ptr(), scale_t.data_ptr(), _stream(dev), _IN[x.dtype],
+            scale_t.shape[1], x.shape[0], x.shape[1], pdl, dev)))
 
     def gemm(self, a, a_scale_t, w, w_scale, per_row, bias, out, config, pdl, quant_pdl,
              early_b, group_m, ws_floats, tiles) -> None:
         # a_scale_t None: a holds 16/32-bit activations, quantized first by the library
         dev = a.device.index
-        _check(self._gemm(
-            a.data_ptr(), _IN[a.dtype], None if a_scale_t is None else a_scale_t.data_ptr(),
-            0 if a_scale_t is None else a_scale_t.stride(0), w.data_ptr(), w_scale.data_ptr(),
-            per_row, None if bias is None else bias.data_ptr(),
-            bias is not None and bias.dtype == torch.float32, out.data_ptr(), _OUT[out.dtype],
-            a.shape[0], w.shape[0], w.shape[1], config, pdl, quant_pdl, early_b, group_m,
-            ws_floats, tiles, dev, _stream(dev)))
+        _check(self._gemm(_GEMM.pack(
+            a.data_ptr(), 0 if a_scale_t is None else a_scale_t.data_ptr(), w.data_ptr(),
+            w_scale.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+            _stream(dev), ws_floats, tiles, _IN[a.dtype],
+            0 if a_scale_t is None else a_scale_t.stride(0), per_row,
+            bias is not None and bias.dtype == torch.float32, _OUT[out.dtype], a.shape[0],
+            w.shape[0], w.shape[1], config, pdl, quant_pdl, early_b, group_m, dev)))
 
     def decode(self, x, x_scale, w, w_scale, per_row, bias, out, ws_floats, tiles, config, rows,
                splits, ctas_per_sm, pdl, early_trigger, quant_first) -> None:
         # x fp8 with x_scale (m, kb) at any strides; or bf16/fp16 quantized in the kernel, or
         # by the quant kernel first (quant_first)
         dev = x.device.index
-        _check(self._decode(
-            x.data_ptr(), _IN[x.dtype], None if x_scale is None else x_scale.data_ptr(),
+        _check(self._decode(_DECODE.pack(
+            x.data_ptr(), 0 if x_scale is None else x_scale.data_ptr(), w.data_ptr(),
+            w_scale.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+            _stream(dev), ws_floats, tiles, _IN[x.dtype],
             0 if x_scale is None else x_scale.stride(0),
-            0 if x_scale is None else x_scale.stride(1), w.data_ptr(), w_scale.data_ptr(),
-            per_row, None if bias is None else bias.data_ptr(),
-            bias is not None and bias.dtype == torch.float32, out.data_ptr(), _OUT[out.dtype],
-            x.shape[0], w.shape[0], w.shape[1], config, rows, splits, ctas_per_sm, pdl,
-            early_trigger, quant_first, ws_floats, tiles, dev, _stream(dev)))
+            0 if x_scale is None else x_scale.stride(1), per_row,
+            bias is not None and bias.dtype == torch.float32, _OUT[out.dtype], x.shape[0],
+            w.shape[0], w.shape[1], config, rows, splits, ctas_per_sm, pdl, early_trigger,
+            quant_first, dev)))
 
 
 def _check(err) -> None:

@@ -30,7 +30,7 @@ _ENTRY = re.compile(r"^(FP8L_\w+)\(([^)]*)\)", re.M)
 
 
 def _parse(text: str):
-    tiles, decode, limits, codes = [], [], {}, {}
+    tiles, decode, limits, codes, entries = [], [], {}, {}, {}
     for macro, args in _ENTRY.findall(text):
         vals = [a.strip() for a in args.split(",")]
         if macro == "FP8L_GEMM_TILE":
@@ -42,10 +42,13 @@ def _parse(text: str):
             limits[vals[0]] = int(vals[1])
         elif macro in ("FP8L_IN_DTYPE", "FP8L_OUT_DTYPE"):
             codes[vals[0]] = int(vals[1])
-    return tuple(tiles), tuple(decode), limits, codes
+        elif macro == "FP8L_ARG":
+            entries.setdefault(vals[0], []).append((vals[1], vals[2]))
+    return tuple(tiles), tuple(decode), limits, codes, entries
 
 
-GEMM_TILES, DECODE_TILES, _LIMITS, DTYPE_CODES = _parse(
+# ENTRY_ARGS: the C entry points' argument structs, entry -> [(kind, field name)] in order
+GEMM_TILES, DECODE_TILES, _LIMITS, DTYPE_CODES, ENTRY_ARGS = _parse(
     (source_dir() / "sm90" / "tables.def").read_text())
 # dynamic shared memory of a CTA by CTAs an SM
 SMEM_PER_CTA = {1: _LIMITS["kSmemOneCtaPerSm"], 2: _LIMITS["kSmemTwoCtasPerSm"]}

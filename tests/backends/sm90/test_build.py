@@ -55,19 +55,23 @@ def make_csrc(root: Path) -> Path:
     return src
 
 
-# A stand-in for csrc/capi.cpp: the four entry points and nothing else. fp8l_decode answers
-# with an error text, to see it come back through ctypes.
+# A stand-in for csrc/capi.cpp: the entry points and nothing else, its argument structs the
+# sizes tables.def's layouts take. fp8l_decode answers with an error text, to see it come
+# back through ctypes.
 STUB_CAPI = """\
 #define EXPORT extern "C" __attribute__((visibility("default")))
 int hidden_helper() { return ABI; }  // -fvisibility=hidden: not exported
 EXPORT int fp8l_abi_version() { return hidden_helper(); }
-EXPORT const char* fp8l_quant() { return nullptr; }
-EXPORT const char* fp8l_gemm() { return nullptr; }
-EXPORT const char* fp8l_decode() { return "fp8linear decode: stub refuses"; }
-"""
+EXPORT int fp8l_arg_size(int e) { return e == 0 ? SIZE0 : e == 1 ? SIZE1 : SIZE2; }
+EXPORT const char* fp8l_quant(const void*) { return nullptr; }
+EXPORT const char* fp8l_gemm(const void*) { return nullptr; }
+EXPORT const char* fp8l_decode(const void*) { return "fp8linear decode: stub refuses"; }
+""".replace("SIZE0", str(-(-library._QUANT.size // 8) * 8)).replace(
+    "SIZE1", str(-(-library._GEMM.size // 8) * 8)).replace(
+    "SIZE2", str(-(-library._DECODE.size // 8) * 8))
 
 
-def make_stub_csrc(root: Path, abi: int = 1) -> Path:
+def make_stub_csrc(root: Path, abi: int = library.ABI_VERSION) -> Path:
     src = root / "csrc"
     src.mkdir(parents=True)
     (src / "capi.cpp").write_text(STUB_CAPI.replace("ABI", str(abi)))
@@ -455,9 +459,10 @@ def test_real_build_of_a_stub_library_loads_with_ctypes(env, tmp_path, monkeypat
 
     lib = library.Library(path)
     assert lib.path == path
-    assert lib._quant(*[0] * 10) is None and lib._gemm(*[0] * 23) is None
+    zeros = bytes(library._GEMM.size)  # (any argument struct: the stub reads none)
+    assert lib._quant(zeros) is None and lib._gemm(zeros) is None
     with raises_exactly(library.KernelError, "fp8linear decode: stub refuses"):
-        library._check(lib._decode(*[0] * 26))
+        library._check(lib._decode(zeros))
     with pytest.raises(AttributeError):
         ctypes.CDLL(str(path)).hidden_helper                 # only the entry points exported
     # the CUDA runtime is linked in: the library needs nothing of CUDA but the driver
@@ -482,10 +487,33 @@ def test_library_refuses_another_interface_version(tmp_path):
     (tmp_path / "v1").mkdir()
     path = _shared_library(tmp_path / "v7", abi=7)
     with raises_exactly(build.BuildError, f"fp8linear: {path} has interface version 7, "
-                                          f"expected 1; delete it to rebuild"):
+                                          f"expected {library.ABI_VERSION}; delete it to "
+                                          f"rebuild"):
         library.Library(path)
-    ok = _shared_library(tmp_path / "v1", abi=1)
+    ok = _shared_library(tmp_path / "v1", abi=library.ABI_VERSION)
     assert library.Library(ok).path == ok
+
+
+@needs_cxx
+def test_library_refuses_argument_structs_of_another_size(tmp_path):
+    (tmp_path / "capi.cpp").write_text(STUB_CAPI.replace("ABI", str(library.ABI_VERSION))
+                                       .replace("e == 0 ? ", "e == 0 ? 8 + "))
+    path = tmp_path / build.LIB_NAME
+    subprocess.run([CXX, "-shared", "-fPIC", str(tmp_path / "capi.cpp"), "-o", str(path)],
+                   check=True)
+    size = -(-library._QUANT.size // 8) * 8
+    with raises_exactly(build.BuildError, f"fp8linear: {path}: fp8l_quant's arguments take "
+                                          f"{size + 8} bytes, tables.def's "
+                                          f"{library._QUANT.size}"):
+        library.Library(path)
+
+
+def test_packed_fields_follow_tables_def():
+    # the order the Python side packs in is checked against tables.def when it is built
+    names = tuple(n for _, n in library.ENTRY_ARGS["quant"])
+    assert library._layout("quant", names).size == library._QUANT.size
+    with pytest.raises(AssertionError, match=r"fp8l_quant: fields \('m', 'k'\) differ"):
+        library._layout("quant", ("m", "k"))
 
 
 def test_load_reports_a_library_that_does_not_load(env, tmp_path, monkeypatch):
