@@ -14,7 +14,7 @@ from .norm_quant import rms_norm_quant  # (also registers its custom ops, as ops
 from .swiglu_quant import silu_mul_quant  # (likewise)
 from .module import FP8Linear, fp8_modules, quantize_model
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: E402
 
 __all__ = [
     "FP8_DTYPE", "quantize_weight", "quantize_activation", "dequantize_weight",

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import __version__
+from ..version import __version__
 from ..module import SCALE_LOAD_DTYPES, fp8_modules
 from ..quant import BLOCK, FP8_DTYPE, cdiv, check_scale_values
 from .format import (_ST_DTYPES, CONFIG_NAME, DEFAULT_MAX_SHARD_BYTES, INDEX_NAME, SINGLE_NAME,
