@@ -8,7 +8,7 @@ import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -67,74 +67,136 @@ def device_info(dev_type: str, index: int) -> TritonDevice:
     return TritonDevice(p.multi_processor_count, smem, hip, cap)
 
 
+@dataclass(frozen=True)
+class Problem:
+    m: int
+    n: int
+    k: int
+    a_bytes: int          # bytes of an activation element (1: fp8)
+    weight_only: bool     # fp8 weights decoded to fp16 tiles in the kernel
+    dev: TritonDevice
+
+    @property
+    def kb(self) -> int:
+        return cdiv(self.k, BLOCK)
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    reason: str
+    pick: Callable
+
+
+TILE_RULES: list[Rule] = []   # Problem -> TritonConfig | None: the first that answers decides
+ADJUSTMENTS: list[Rule] = []  # (Problem, TritonConfig) -> TritonConfig, applied in order
+
+
+def _rule(table: list, id: str, reason: str):
+    def add(fn):
+        table.append(Rule(id, reason, fn))
+        return fn
+    return add
+
+
 def choose(m: int, n: int, k: int, a_bytes: int, weight_only: bool,
-                  dev: TritonDevice) -> TritonConfig:
-    """Triton tile rules: a handful of fixed configurations; no run-time autotuning."""
-    kb = cdiv(k, BLOCK)
-    if m <= 16:
-        # triton-decode-narrow: reading the weight is the whole cost; narrow tiles make many
-        # programs (N/64), each streaming 64x128 weight tiles with deep pipelining.
-        cfg = TritonConfig(16, 64, 4, 6)
-        if kb <= 12 and cdiv(n, 256) * 10 >= dev.sms * 7 and (m <= 8 or kb <= 4):
-            # triton-wide-short-k: very wide N over few K steps, where a program is mostly
-            # prologue and epilogue: 4x fewer 256-column programs (>= 0.7 of a wave)
-            # amortise them; at 16 tokens only for the shortest K (docs/tuning.md).
-            cfg = TritonConfig(16, 256, 8, 3)
-    elif m <= 32:
-        cfg = TritonConfig(32, 64, 4, 6)  # triton-17-32
-    elif m <= 64:
-        # triton-33-64: 128-column tiles for short K, as in triton-wide-short-k
-        cfg = TritonConfig(64, 128, 4, 3) if kb <= 4 else TritonConfig(64, 64, 4, 5)
-    elif m <= 128:
-        # triton-65-128: still mostly weight-bound; 64x128 with one warpgroup keeps the fp32
-        # total plus the per-block product at 128 registers a thread.
-        cfg = TritonConfig(64, 128, 4, 4)
-    else:
-        # triton-large: compute-bound, 128x128 with 8 warps (128x256 would need ~256 registers
-        # a thread for the total plus the per-block product the promotion needs).
-        cfg = TritonConfig(128, 128, 8, 4)
-        # triton-ragged-128x64: 128x64 where 128-column tiles leave a ragged last wave that
-        # 64-column ones fill (waves x tile area, 64-column tiles counted 15% less efficient).
-        def cost(bm, bn, eff):
-            return cdiv(cdiv(m, bm) * cdiv(n, bn), dev.sms) * bm * bn * eff
-        if cost(128, 64, 1.15) < cost(128, 128, 1.0):
-            cfg = TritonConfig(128, 64, 4, 4)
-        if kb <= 4:
-            # triton-large-short-k: a tile is mostly prologue and epilogue; 64x128 tiles with
-            # 4 warps let programs share an SM, one's epilogue overlapping another's loads.
-            cfg = TritonConfig(64, 128, 4, 3)
+           dev: TritonDevice) -> TritonConfig:
+    """The Triton GEMM's tile, stages and split-K: fixed rules, no run-time autotuning
+    (docs/tuning.md gives each rule id's measurements)."""
+    p = Problem(m, n, k, a_bytes, weight_only, dev)
+    cfg = next(c for c in (r.pick(p) for r in TILE_RULES) if c is not None)
+    for r in ADJUSTMENTS:
+        cfg = r.pick(p, cfg)
+    return cfg
 
-    if cfg.bn == 128 and cdiv(m, cfg.bm) * cdiv(n, 128) < dev.sms:
-        # triton-halve-width: too few tiles to fill the GPU; halve the tile width before
-        # resorting to split-K, which costs a workspace round trip.
-        cfg = cfg._replace(bn=64)
 
-    # triton-stages: as many as the shared memory holds (Ada and sm_86 ~100 KB, H100 227 KB).
+@_rule(TILE_RULES, "triton-wide-short-k",
+       "very wide N over few K steps at <= 16 tokens: 4x fewer 256-column programs")
+def _wide_short_k(p):
+    if (p.m <= 16 and p.kb <= 12 and cdiv(p.n, 256) * 10 >= p.dev.sms * 7
+            and (p.m <= 8 or p.kb <= 4)):
+        return TritonConfig(16, 256, 8, 3)
+    return None
+
+
+@_rule(TILE_RULES, "triton-decode-narrow",
+       "<= 16 tokens: reading the weight is the cost; many narrow programs, deep pipelines")
+def _decode_narrow(p):
+    return TritonConfig(16, 64, 4, 6) if p.m <= 16 else None
+
+
+@_rule(TILE_RULES, "triton-17-32", "17-32 tokens: 32x64 tiles")
+def _m17_32(p):
+    return TritonConfig(32, 64, 4, 6) if p.m <= 32 else None
+
+
+@_rule(TILE_RULES, "triton-33-64", "33-64 tokens: 64x64, or 64x128 over short K")
+def _m33_64(p):
+    if p.m > 64:
+        return None
+    return TritonConfig(64, 128, 4, 3) if p.kb <= 4 else TritonConfig(64, 64, 4, 5)
+
+
+@_rule(TILE_RULES, "triton-65-128",
+       "65-128 tokens: 64x128 with one warpgroup (the total and the block product fit)")
+def _m65_128(p):
+    return TritonConfig(64, 128, 4, 4) if p.m <= 128 else None
+
+
+@_rule(TILE_RULES, "triton-large-short-k",
+       "short K: 64x128 tiles with 4 warps, programs sharing an SM overlap their epilogues")
+def _large_short_k(p):
+    return TritonConfig(64, 128, 4, 3) if p.kb <= 4 else None
+
+
+@_rule(TILE_RULES, "triton-ragged-128x64",
+       "128x64 where 128-column tiles leave a ragged last wave (64-column ones 15% dearer)")
+def _ragged(p):
+    def cost(bm, bn, eff):
+        return cdiv(cdiv(p.m, bm) * cdiv(p.n, bn), p.dev.sms) * bm * bn * eff
+    return TritonConfig(128, 64, 4, 4) if cost(128, 64, 1.15) < cost(128, 128, 1.0) else None
+
+
+@_rule(TILE_RULES, "triton-large", "compute-bound: 128x128 with 8 warps")
+def _large(p):
+    return TritonConfig(128, 128, 8, 4)
+
+
+@_rule(ADJUSTMENTS, "triton-halve-width",
+       "too few 128-column tiles to fill the GPU: 64 columns before resorting to split-K")
+def _halve_width(p, cfg):
+    if cfg.bn == 128 and cdiv(p.m, cfg.bm) * cdiv(p.n, 128) < p.dev.sms:
+        return cfg._replace(bn=64)
+    return cfg
+
+
+@_rule(ADJUSTMENTS, "triton-stages",
+       "as many stages as the shared memory holds; shrink the tile until two fit")
+def _stages(p, cfg):
     def buffers_that_fit(c):
-        stage = c.bm * 128 * a_bytes + 128 * c.bn          # A and W tiles of one K step
+        stage = c.bm * 128 * p.a_bytes + 128 * c.bn          # A and W tiles of one K step
         extra = 0
-        if weight_only:                                      # decoded fp16 tiles for the dot
-            extra = 128 * c.bn * 2 + (c.bm * 128 * 2 if a_bytes == 1 else 0)
-        return (dev.smem - extra - 4096) // stage
+        if p.weight_only:                                      # decoded fp16 tiles for the dot
+            extra = 128 * c.bn * 2 + (c.bm * 128 * 2 if p.a_bytes == 1 else 0)
+        return (p.dev.smem - extra - 4096) // stage
 
     # Triton keeps num_stages buffers in flight on sm_90+, num_stages - 1 before that.
-    extra_stage = 1 if (not dev.hip and dev.capability < (9, 0)) else 0
+    extra_stage = 1 if (not p.dev.hip and p.dev.capability < (9, 0)) else 0
     while buffers_that_fit(cfg) + extra_stage < 2 and (cfg.bm > 16 or cfg.bn > 64):
-        # Two stages must fit (e.g. fp32 activations on a 100 KB SM, or a 64 KB LDS):
-        # shrink the tile, rows first.
-        bm, bn = (cfg.bm // 2, cfg.bn) if cfg.bm > 16 else (cfg.bm, 64)
+        bm, bn = (cfg.bm // 2, cfg.bn) if cfg.bm > 16 else (cfg.bm, 64)  # rows first
         cfg = cfg._replace(bm=bm, bn=bn, warps=8 if bm * bn >= 128 * 128 else 4)
-    cfg = cfg._replace(stages=max(2, min(cfg.stages, buffers_that_fit(cfg) + extra_stage)))
+    return cfg._replace(stages=max(2, min(cfg.stages, buffers_that_fit(cfg) + extra_stage)))
 
-    # triton-split-k: when the output tiles cannot fill the SMs, split K so that about two
-    # waves of programs run (several in flight an SM hide memory latency), keeping >= 4 K
-    # blocks a split (the pipeline's steady state) and the fp32 workspace traffic
-    # (2 x split x M x N x 4 bytes) under a quarter of the weight bytes. Between half and all
-    # the SMs only for long K and few tokens (docs/tuning.md).
-    tiles = cdiv(m, cfg.bm) * cdiv(n, cfg.bn)
+
+@_rule(ADJUSTMENTS, "triton-split-k",
+       "tiles that cannot fill the SMs: split K for ~two waves, >= 4 K blocks a split")
+def _split_k(p, cfg):
+    # the fp32 workspace traffic (2 x split x M x N x 4 bytes) stays under a quarter of the
+    # weight bytes; between half and all the SMs only for long K and few tokens
+    tiles = cdiv(p.m, cfg.bm) * cdiv(p.n, cfg.bn)
     split = 1
-    if tiles < dev.sms and kb >= 8 and (2 * tiles <= dev.sms or (kb >= 32 and m <= 16)):
-        split = min(cdiv(2 * dev.sms, tiles), kb // 4, 16, max(1, k // (32 * m)))
+    if tiles < p.dev.sms and p.kb >= 8 and (2 * tiles <= p.dev.sms or (p.kb >= 32 and p.m <= 16)):
+        split = min(cdiv(2 * p.dev.sms, tiles), p.kb // 4, 16, max(1, p.k // (32 * p.m)))
     return cfg._replace(split=max(1, split))
 
 
