@@ -1,5 +1,5 @@
 // Host-side entry points of the sm90 kernels. Plain C++ (raw pointers, cudaStream_t): no torch
-// headers, so these translation units build in parallel and fast; bindings.cpp is the glue.
+// headers; csrc/capi.cpp exposes them to Python through C entry points.
 #pragma once
 #include <cuda_runtime.h>
 #include <string>
