@@ -83,10 +83,11 @@ class Overrides:
             v = getattr(self, f.name)
             if v is None:
                 continue
-            ok = v in allowed[f.name] if f.name in allowed else isinstance(v, bool)
-            if not ok:
-                want = allowed.get(f.name, "True or False")
-                raise ValueError(f"forced {f.name}={v!r}: expected one of {want}")
+            if f.name not in allowed:
+                if not isinstance(v, bool):
+                    raise ValueError(f"forced {f.name}={v!r}: expected True or False")
+            elif isinstance(v, bool) or v not in allowed[f.name]:  # (True == 1: not a count)
+                raise ValueError(f"forced {f.name}={v!r}: expected one of {allowed[f.name]}")
 
 
 NONE = Overrides()

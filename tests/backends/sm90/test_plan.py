@@ -96,6 +96,9 @@ def test_forced_gemm_config():
                       f"range(0, {len(GEMM_TILES)})"):
         with plan.forced(gemm_config=len(GEMM_TILES)):
             pass
+    with forced_error(f"forced gemm_config=True: expected one of range(0, {len(GEMM_TILES)})"):
+        with plan.forced(gemm_config=True):        # a bool is no tile id, though True == 1
+            pass
 
 
 def test_forced_rejects_a_bad_value_before_changing_anything():
@@ -278,7 +281,7 @@ def test_decode_early_trigger(m, n, k, early):
     for v in (False, True):
         with plan.forced(decode_early_trigger=v):
             assert launch.decode_early_trigger(p, n_tiles, SMS) is v
-    with forced_error("forced decode_early_trigger='yes': expected one of True or False"):
+    with forced_error("forced decode_early_trigger='yes': expected True or False"):
         with plan.forced(decode_early_trigger="yes"):
             pass
 
@@ -307,7 +310,7 @@ def test_fuse_quant_only_small_slices(m, k, p, fused):
                                               and cdiv(cdiv(k, 128), p.splits)
                                               * (8 << p.config) * 128
                                               <= SMEM_PER_CTA[p.ctas_per_sm] // 4)
-    with forced_error("forced fuse_quant=2: expected one of True or False"):
+    with forced_error("forced fuse_quant=2: expected True or False"):
         with plan.forced(fuse_quant=2):
             pass
 
@@ -405,7 +408,7 @@ def test_gemm_early_weights_rule(m, k, config, after_quant, early):
             assert launch.gemm_early_weights(m, k, config, after_quant) == ring
     with plan.forced(gemm_early_b=False, gemm_early_stages=64):
         assert launch.gemm_early_weights(m, k, config, after_quant) == 0
-    with forced_error("forced gemm_early_b=2: expected one of True or False"):
+    with forced_error("forced gemm_early_b=2: expected True or False"):
         with plan.forced(gemm_early_b=2):
             pass
     with forced_error("forced gemm_early_stages=0: expected one of range(1, 65)"):
@@ -438,7 +441,7 @@ def test_gemm_pdl_forced():
         assert launch.gemm_pdl(True) is False
     with plan.forced(gemm_pdl=True):
         assert launch.gemm_pdl(False) is False      # never without PDL itself
-    with forced_error("forced gemm_pdl=0: expected one of True or False"):
+    with forced_error("forced gemm_pdl=0: expected True or False"):
         with plan.forced(gemm_pdl=0):
             pass
 
