@@ -1,0 +1,80 @@
+"""The block-FP8 mixture-of-experts layer's numerics: the definition every MoE backend meets.
+
+For each token and each of its top-k experts e (weights w13[e] = [gate; up] and w2[e]):
+
+1. the token's activations are quantized per 128 channels (``quantize_activation``);
+2. gate_up = the block-FP8 GEMM with w13[e] (fp32 per K block, rounded to x's dtype);
+3. h = SiLU(gate) * up in x's dtype, then quantized per 128 channels (``silu_mul_quant``'s
+   numerics: the down projection's input);
+4. y_e = the block-FP8 GEMM of h with w2[e], kept in fp32;
+5. out = sum over the k slots, in slot order, of topk_weight * y_e, in fp32, rounded once.
+
+This torch version runs anywhere (the CPU reference); it groups tokens by expert, as the
+kernels do, which changes no result: each (token, slot) is computed on its own.
+"""
+from __future__ import annotations
+
+import torch
+
+from .quant import FP8_DTYPE, cdiv, quantize_activation, reference_gemm
+from .swiglu_quant import silu_mul_reference
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids):
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _DTYPES:
+        raise ValueError(f"x must be a 2-D [M, H] bf16/fp16/fp32 tensor, got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
+                         f"{' ' + str(x.dtype) if isinstance(x, torch.Tensor) else ''}")
+    m, h = x.shape
+    if w13.dim() != 3 or w13.dtype != FP8_DTYPE or w13.shape[2] != h or w13.shape[1] % 2:
+        raise ValueError(f"w13 must be float8_e4m3fn [E, 2*I, {h}], got {tuple(w13.shape)} "
+                         f"{w13.dtype}")
+    e, two_i, _ = w13.shape
+    i = two_i // 2
+    if w2.dim() != 3 or w2.dtype != FP8_DTYPE or tuple(w2.shape) != (e, h, i):
+        raise ValueError(f"w2 must be float8_e4m3fn [{e}, {h}, {i}], got {tuple(w2.shape)} "
+                         f"{w2.dtype}")
+    for name, s, n, k in (("w13_scale", w13_scale, two_i, h), ("w2_scale", w2_scale, h, i)):
+        shapes = ((e, cdiv(n, 128), cdiv(k, 128)), (e, n, cdiv(k, 128)))
+        if s.dtype != torch.float32 or tuple(s.shape) not in shapes:
+            raise ValueError(f"{name} must be fp32 of shape {shapes[0]} (128x128 blocks) or "
+                             f"{shapes[1]} (per row), got {tuple(s.shape)} {s.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != m or topk_ids.dtype not in (
+            torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32/int64 [{m}, top_k], got "
+                         f"{tuple(topk_ids.shape)} {topk_ids.dtype}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, "
+                         f"got {tuple(topk_weights.shape)}")
+
+
+def moe_reference(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
+                  w2: torch.Tensor, w2_scale: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    """out [M, H] in x's dtype (see the module docstring for the numerics).
+
+    x [M, H]; w13 float8 [E, 2I, H] (gate rows first), w13_scale [E, ceil(2I/128), Hb] or
+    per-row [E, 2I, Hb]; w2 float8 [E, H, I], w2_scale [E, ceil(H/128), Ib] or [E, H, Ib];
+    topk_weights [M, k] and topk_ids [M, k] (expert ids outside 0..E-1 are a ValueError).
+    The expert ids are read (a host sync): a reference, not a serving path.
+    """
+    _check(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
+    m, h = x.shape
+    num_experts = w13.shape[0]
+    ids = topk_ids.long()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
+        raise ValueError(f"topk_ids must be expert ids in 0..{num_experts - 1}, got values "
+                         f"from {int(ids.min())} to {int(ids.max())}")
+    xq, xs = quantize_activation(x)
+    y = torch.zeros(m, ids.shape[1], h, dtype=torch.float32, device=x.device)
+    for e in torch.unique(ids).tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        gate_up = reference_gemm(xq[tok], xs[tok], w13[e], w13_scale[e], out_dtype=x.dtype)
+        hq, hs = quantize_activation(silu_mul_reference(gate_up))
+        y[tok, slot] = reference_gemm(hq, hs, w2[e], w2_scale[e], out_dtype=torch.float32)
+    out = torch.zeros(m, h, dtype=torch.float32, device=x.device)
+    for j in range(ids.shape[1]):  # the fixed combine order: slot 0 first
+        out += topk_weights[:, j:j + 1].float() * y[:, j]
+    return out.to(x.dtype)

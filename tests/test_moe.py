@@ -1,0 +1,108 @@
+"""fp8linear.moe.moe_reference (the MoE layer's numerics) against an fp64 formulation of the
+same dequantized math, written from the definition with tests/fp64_reference.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fp64_reference as R
+from fp8linear import quantize_activation, quantize_weight
+from fp8linear.moe import moe_reference
+
+
+def _experts(num, n, k, gen, per_row=False):
+    ws, ss = [], []
+    for _ in range(num):
+        w, s = quantize_weight(R.random_matrix(n, k, gen, spread=1.0) * 0.05)
+        if per_row:
+            s = s.repeat_interleave(128, 0)[:n].contiguous()
+        ws.append(w)
+        ss.append(s)
+    return torch.stack(ws), torch.stack(ss)
+
+
+def _fp64_moe(x, w13, s13, w2, s2, weights, ids):
+    """Each (token, slot) on its own, in fp64: dequantized operands; the intermediate rounded
+    to x's dtype, SiLU-and-mul, quantized per 128 channels with fp64 e4m3 rounding."""
+    xq, xs = quantize_activation(x)   # (the activations' quantization: bit-exact elsewhere)
+    xd = R.dequant(xq, xs)
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    inter = w13.shape[1] // 2
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gu = (xd[t:t + 1] @ R.dequant(w13[e], s13[e]).t()).to(x.dtype)
+            h = (F.silu(gu[:, :inter].float()).to(x.dtype) * gu[:, inter:]).double()
+            hs = R.activation_scales(h)
+            hd = R.e4m3_round(h / R.per_element(hs, 1, inter)) * R.per_element(hs, 1, inter)
+            out[t] += float(weights[t, j]) * (hd @ R.dequant(w2[e], s2[e]).t())[0]
+    return out
+
+
+CASES = [  # (M, E, top_k, H, I, routing, dtype, per_row)
+    (1, 8, 2, 256, 128, "random", torch.bfloat16, False),        # M = 1
+    (7, 8, 2, 200, 96, "random", torch.bfloat16, False),         # H and I off the 128 grid
+    (16, 16, 4, 384, 256, "one_expert", torch.float16, False),   # one expert takes every token
+    (12, 16, 2, 256, 192, "few", torch.bfloat16, True),          # most experts get no token
+    (33, 4, 2, 136, 160, "random", torch.float16, True),
+]
+
+
+@pytest.mark.parametrize("m,e,top_k,h,inter,routing,dtype,per_row", CASES)
+def test_moe_reference_matches_fp64(m, e, top_k, h, inter, routing, dtype, per_row):
+    gen = torch.Generator().manual_seed(m * 1000 + e * 10 + top_k)
+    x = R.random_matrix(m, h, gen, spread=1.0).to(dtype)
+    w13, s13 = _experts(e, 2 * inter, h, gen, per_row)
+    w2, s2 = _experts(e, h, inter, gen, per_row)
+    if routing == "one_expert":
+        ids = torch.full((m, top_k), 3, dtype=torch.int32)
+        ids[:, 1:] = torch.arange(1, top_k, dtype=torch.int32) + 3
+    elif routing == "few":
+        ids = torch.randint(0, 2, (m, top_k), generator=gen, dtype=torch.int64)
+        ids[:, 1] = 1 - ids[:, 0]
+    else:
+        ids = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(m)])
+    weights = torch.softmax(torch.randn(m, top_k, generator=gen), dim=1)
+    out = moe_reference(x, w13, s13, w2, s2, weights, ids)
+    ref = _fp64_moe(x, w13, s13, w2, s2, weights, ids)
+    assert out.dtype == dtype and out.shape == (m, h)
+    assert R.rel_err(out, ref) <= 2e-3
+    # and it is not the unquantized layer: quantizing the intermediate moves the result
+    assert torch.isfinite(out).all() and out.abs().sum() > 0
+
+
+def test_moe_reference_is_deterministic_and_routing_sensitive():
+    gen = torch.Generator().manual_seed(5)
+    m, e, h, inter = 9, 4, 128, 128
+    x = R.random_matrix(m, h, gen, spread=1.0).to(torch.bfloat16)
+    w13, s13 = _experts(e, 2 * inter, h, gen)
+    w2, s2 = _experts(e, h, inter, gen)
+    ids = torch.randint(0, e, (m, 2), generator=gen)
+    wts = torch.rand(m, 2, generator=gen)
+    a = moe_reference(x, w13, s13, w2, s2, wts, ids)
+    assert torch.equal(a.view(torch.int16), moe_reference(x, w13, s13, w2, s2, wts, ids)
+                       .view(torch.int16))
+    assert not torch.equal(a, moe_reference(x, w13, s13, w2, s2, wts, (ids + 1) % e))
+
+
+def test_moe_reference_errors():
+    gen = torch.Generator().manual_seed(1)
+    w13, s13 = _experts(2, 256, 128, gen)
+    w2, s2 = _experts(2, 128, 128, gen)
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    ids = torch.zeros(3, 1, dtype=torch.int64)
+    wts = torch.ones(3, 1)
+    with pytest.raises(ValueError, match=r"^topk_ids must be expert ids in 0\.\.1, got values "
+                                         r"from 0 to 2$"):
+        moe_reference(x, w13, s13, w2, s2, wts, torch.tensor([[0], [2], [1]]))
+    with pytest.raises(ValueError, match=r"^w2 must be float8_e4m3fn \[2, 128, 128\], got "
+                                         r"\(2, 128, 64\) torch.float8_e4m3fn$"):
+        moe_reference(x, w13, s13, w2[:, :, :64], s2, wts, ids)
+    with pytest.raises(ValueError, match=r"^w13_scale must be fp32 of shape \(2, 2, 1\) "
+                                         r"\(128x128 blocks\) or \(2, 256, 1\) \(per row\), got "
+                                         r"\(2, 1, 1\) torch.float32$"):
+        moe_reference(x, w13, s13[:, :1], w2, s2, wts, ids)
+    with pytest.raises(ValueError, match=r"^topk_weights must have topk_ids' shape \(3, 1\), "
+                                         r"got \(3, 2\)$"):
+        moe_reference(x, w13, s13, w2, s2, torch.ones(3, 2), ids)
