@@ -5,7 +5,7 @@ import zlib
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import fp64_reference as ref
@@ -69,8 +69,9 @@ def test_gemm_matches_fp64_reference(m, n, k, per_row, out_dtype):
     assert torch.equal(out, got)
 
 
-@settings(max_examples=30)
-@given(m=st.integers(1, 70), n=st.integers(1, 300), k=st.integers(1, 400),
+# shapes up to M = 300 and K = 2048 (16 K blocks); the number of examples and the seed come
+# from the Hypothesis profile (tests/conftest.py)
+@given(m=st.integers(1, 300), n=st.integers(1, 300), k=st.integers(1, 2048),
        seed=st.integers(0, 2**31 - 1), per_row=st.booleans(), bias=st.booleans(),
        out_dtype=st.sampled_from(OUT_DTYPES))
 def test_gemm_random_shapes(m, n, k, seed, per_row, bias, out_dtype):
@@ -82,9 +83,14 @@ def test_gemm_random_shapes(m, n, k, seed, per_row, bias, out_dtype):
 
 def test_per_row_scales_equal_expanded_block_scales():
     a, a_s, w, w_s, _ = make_operands(9, 300, 260, seed=11)
+    # each row's block scale, expanded here (not by the library's expand_weight_scale)
+    rows_s = w_s.repeat_interleave(128, dim=0)[:300].contiguous()
     block = fp8linear.block_fp8_gemm(a, a_s, w, w_s, out_dtype=torch.float32)
-    rows = fp8linear.block_fp8_gemm(a, a_s, w, expand_weight_scale(w_s, 300).contiguous(),
-                                    out_dtype=torch.float32)
+    rows = fp8linear.block_fp8_gemm(a, a_s, w, rows_s, out_dtype=torch.float32)
+    # both against the independent fp64 reference (on the CPU both run reference_gemm)
+    want = ref.gemm(a, a_s, w, w_s)
+    assert_close_to_reference(block, want)
+    assert_close_to_reference(rows, want)
     assert torch.equal(block, rows)
 
 
@@ -122,8 +128,11 @@ def test_column_major_activation_scales_give_the_same_result():
     col = torch.empty(a_s.shape[1], 8)[:, :5].copy_(a_s.t()).t()
     assert col.stride() == (1, 8)
     w, w_s = fp8linear.quantize_weight(ref.random_matrix(64, 300, g))
-    assert torch.equal(fp8linear.block_fp8_gemm(a, col, w, w_s),
-                       fp8linear.block_fp8_gemm(a, a_s, w, w_s))
+    got = fp8linear.block_fp8_gemm(a, col, w, w_s, out_dtype=torch.float32)
+    # against the fp64 reference on the row-major scales (on the CPU both layouts run
+    # reference_gemm: equal outputs alone would not show that either is right)
+    assert_close_to_reference(got, ref.gemm(a, a_s, w, w_s))
+    assert torch.equal(got, fp8linear.block_fp8_gemm(a, a_s, w, w_s, out_dtype=torch.float32))
 
 
 def test_empty_batch_gives_empty_output_without_a_launch(monkeypatch):
