@@ -53,13 +53,14 @@ def _check(x, residual, weight):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
             _fail(f"{name} must have shape {shape}, got "
                   + (f"{tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__))
-        if t.dtype not in DTYPES or (name == "residual" and t.dtype != x.dtype):
-            _fail(f"{name} must be {'x' if name == 'residual' else 'bf16/fp16'}'s dtype, got "
-                  f"{t.dtype}")
+        if name == "residual" and t.dtype != x.dtype:
+            _fail(f"residual must have x's dtype ({x.dtype}), got {t.dtype}")
+        if t.dtype not in DTYPES:
+            _fail(f"{name} must be bf16 or fp16, got {t.dtype}")
         if t.device != x.device:
             _fail(f"{name} is on {t.device} but x is on {x.device}")
         if not t.is_contiguous():
-            _fail(f"{name} must be contiguous")
+            _fail(f"{name} must be contiguous, got strides {t.stride()}")
 
 
 def _buffers(x: torch.Tensor):

@@ -1,17 +1,33 @@
-"""fp8linear.swiglu_quant: SiLU-and-mul with the fp8 quantization of its output in one
-kernel. CPU: the reference path against vLLM's native SiluAndMul + quantize_activation, the
-validation; GPU (gpu marker): the Triton kernel against its own product and the reference."""
+"""fp8linear.swiglu_quant: SiLU-and-mul with the fp8 quantization of its output in one kernel.
+CPU: the reference path (quantize_activation of the product, checked against an fp64
+SiLU-and-mul; its equality with vLLM's own SiluAndMul is tested where vLLM is installed,
+tests/integrations/vllm/test_vllm_native_numerics.py), the validation, the custom op in a
+compiled graph, and the Triton kernel under Triton's interpreter (small shapes); GPU (gpu
+marker): the Triton kernel at model sizes. The kernel checks (``check_kernel``) are the same
+on both."""
 from __future__ import annotations
+
+import operator
+import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-import fp8linear
-from fp8linear import norm_quant as nq
-from fp8linear import swiglu_quant as smq
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (also as the interpreter script)
+import triton_interpreter  # noqa: E402
+
+import fp8linear  # noqa: E402
+from fp8linear import norm_quant as nq  # noqa: E402
+from fp8linear import swiglu_quant as smq  # noqa: E402
 
 CUDA = torch.cuda.is_available()
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+def raises_exactly(msg: str):
+    return pytest.raises(ValueError, match=f"^{re.escape(msg)}$")
 
 
 def _data(m, d, dtype=torch.bfloat16, device="cpu", seed=0):
@@ -21,28 +37,37 @@ def _data(m, d, dtype=torch.bfloat16, device="cpu", seed=0):
 
 @pytest.mark.parametrize("m,d,dtype", [(1, 128, torch.bfloat16), (7, 384, torch.float16),
                                        (5, 256, torch.bfloat16), (0, 256, torch.bfloat16)])
-def test_reference_is_vllm_silu_and_mul_then_quantize_activation(m, d, dtype):
+def test_reference_path_quantizes_silu_and_mul(m, d, dtype):
+    """The CPU path: its fp8 values and scales are exactly quantize_activation of its product
+    (laid out in scale_t), and that product is silu(gate) * up within the two roundings the
+    definition makes (silu to x's dtype, then the product)."""
     x = _data(m, d, dtype)
     q, scale_t = fp8linear.silu_mul_quant(x)
-    y = F.silu(x[:, :d]) * x[:, d:]           # vLLM's SiluAndMul.forward_native
+    y = smq.silu_mul_reference(x)
     qq, ss = fp8linear.quantize_activation(y)
     assert q.shape == (m, d) and q.dtype == fp8linear.FP8_DTYPE
     assert torch.equal(q.view(torch.uint8), qq.view(torch.uint8))
     assert scale_t.shape == (d // 128, (m + 3) // 4 * 4)
     assert torch.equal(nq.scale_view(scale_t, m), ss)
+    gate, up = x[:, :d].double(), x[:, d:].double()
+    y64 = gate / (1 + torch.exp(-gate)) * up
+    assert y.dtype == dtype
+    bound = 2 * UNIT_ROUNDOFF[dtype] * 1.01
+    assert ((y.double() - y64).abs() <= bound * y64.abs() + 1e-30).all()
 
 
 def test_bad_inputs_are_named():
     x = _data(4, 256)
-    with pytest.raises(ValueError, match="multiple of 256"):
+    with raises_exactly("x has 384 channels: SiLU-and-mul + quantization needs a multiple of "
+                        "256 (two halves of whole 128-channel groups)"):
         fp8linear.silu_mul_quant(x[:, :384].contiguous())
-    with pytest.raises(ValueError, match="bf16 or fp16"):
+    with raises_exactly("x must be bf16 or fp16, got torch.float32"):
         fp8linear.silu_mul_quant(x.float())
-    with pytest.raises(ValueError, match="x must be contiguous"):
+    with raises_exactly("x must be contiguous, got strides (1024, 2)"):
         fp8linear.silu_mul_quant(torch.cat([x, x], 1)[:, ::2])
-    with pytest.raises(ValueError, match=r"x must be a 2-D \[M, 2 \* d\] tensor, got shape"):
+    with raises_exactly("x must be a 2-D [M, 2 * d] tensor, got shape (512,)"):
         fp8linear.silu_mul_quant(x[0])
-    with pytest.raises(ValueError, match="got list"):
+    with raises_exactly("x must be a 2-D [M, 2 * d] tensor, got list"):
         fp8linear.silu_mul_quant([1.0])
 
 
@@ -55,13 +80,52 @@ def test_gemm_on_the_scale_buffer_equals_fp8_linear():
 
 
 def test_compiled_call_uses_the_custom_op():
+    """Under torch.compile silu_mul_quant is one opaque custom op (what the vLLM fusion pass
+    puts in graphs), not its traced reference path."""
     x = _data(5, 256, seed=4)
-    f = torch.compile(lambda t: fp8linear.silu_mul_quant(t), backend="aot_eager",
-                      fullgraph=True)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    f = torch.compile(lambda t: fp8linear.silu_mul_quant(t), backend=backend, fullgraph=True)
     q, scale_t = f(x)
+    (gm,) = graphs
+    calls = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert calls.count(torch.ops.fp8linear.silu_mul_quant.default) == 1, calls
+    # nothing else but taking its outputs apart: no traced arithmetic of the reference path
+    assert set(calls) - {torch.ops.fp8linear.silu_mul_quant.default, operator.getitem} \
+        == set(), calls
     q0, s0 = fp8linear.silu_mul_quant(x)
     assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8))
     assert torch.equal(nq.scale_view(scale_t, 5), nq.scale_view(s0, 5))
+
+
+# ---------------------------------------------------------------- the Triton kernel
+def check_kernel(m, d, dtype, groups=None, device="cuda", pdl=True):
+    """The kernel's fp8 values and scales are exactly quantize_activation of its own product,
+    which is the reference's within one rounding step (the GPU's exp differs from the CPU's
+    in the last fp32 bit); the scale buffer's padding columns are never read. Returns x and
+    the kernel's (q, scale_t)."""
+    from fp8linear.backends.triton import swiglu_quant as triton_swiglu_quant
+    x = _data(m, d, dtype, device=device, seed=m + d)
+    q, scale_t = nq._buffers(x[:, :d])
+    q.fill_(float("nan"))
+    scale_t.fill_(float("nan"))
+    y = torch.full((m, d), float("nan"), dtype=dtype, device=device)
+    triton_swiglu_quant.launch(x, q, scale_t, y=y, pdl=pdl, groups=groups)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    what = f"m={m} d={d} {dtype} groups={groups}"
+    qq, ss = fp8linear.quantize_activation(y)
+    assert torch.equal(q.view(torch.uint8), qq.view(torch.uint8)), what
+    assert torch.equal(nq.scale_view(scale_t, m), ss), what
+    ref = smq.silu_mul_reference(x)            # torch's silu and multiply on that device
+    err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < 1e-3, (what, err)
+    assert (y != ref).float().mean().item() < 0.01, what   # an occasional last-bit difference
+    return x, q, scale_t
 
 
 @pytest.mark.gpu
@@ -70,25 +134,29 @@ def test_compiled_call_uses_the_custom_op():
 @pytest.mark.parametrize("d,dtype", [(14336, torch.bfloat16), (640, torch.float16),
                                      (1536, torch.bfloat16)])
 def test_triton_kernel(m, d, dtype):
-    """The kernel's fp8 values and scales are exactly quantize_activation of its own product,
-    which is the reference's within one rounding step (the GPU's exp differs from the CPU's
-    in the last fp32 bit); the scale buffer's padding columns are never read."""
-    from fp8linear.backends.triton import swiglu_quant as triton_swiglu_quant
-    x = _data(m, d, dtype, device="cuda", seed=m + d)
-    q, scale_t = nq._buffers(x[:, :d])
-    q.fill_(float("nan"))
-    scale_t.fill_(float("nan"))
-    y = torch.full((m, d), float("nan"), dtype=dtype, device="cuda")
-    triton_swiglu_quant.launch(x, q, scale_t, y=y, pdl=True)
-    torch.cuda.synchronize()
-    qq, ss = fp8linear.quantize_activation(y)
-    assert torch.equal(q.view(torch.uint8), qq.view(torch.uint8))
-    assert torch.equal(nq.scale_view(scale_t, m), ss)
-    ref = smq.silu_mul_reference(x)            # torch's CUDA silu and multiply
-    err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
-    assert err < 1e-3, err
-    assert (y != ref).float().mean().item() < 0.01   # an occasional last-bit difference
+    x, q, scale_t = check_kernel(m, d, dtype)
     # the public entry point (PDL as configured) gives the same bits
     q2, s2 = fp8linear.silu_mul_quant(x)
     assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
-    assert torch.equal(nq.scale_view(s2, m), ss)
+    assert torch.equal(nq.scale_view(s2, m), nq.scale_view(scale_t, m))
+
+
+# (m, d, dtype, groups): below 32 rows 4 groups a program (masked groups where d < 512, two
+# programs a row where d > 512), a forced 2, from 32 rows 4-8 groups
+INTERPRETED = [(3, 384, torch.bfloat16, None), (2, 640, torch.float16, None),
+               (1, 128, torch.bfloat16, None), (4, 512, torch.bfloat16, 2),
+               (33, 256, torch.float16, None)]
+
+
+@pytest.mark.skipif(triton_interpreter.interpreting(), reason="already interpreting")
+def test_triton_kernel_interpreted():
+    """The Triton kernel on the CPU through Triton's interpreter (tests/triton_interpreter.py):
+    the same checks as on the GPU, on small shapes."""
+    triton_interpreter.run(__file__)
+
+
+if __name__ == "__main__":
+    triton_interpreter.start()
+    for case in INTERPRETED:
+        check_kernel(*case, device="cpu", pdl=False)
+    triton_interpreter.passed(len(INTERPRETED))

@@ -7,24 +7,26 @@ Every result is compared with the fp64 reference on the dequantized inputs (rela
 Frobenius error <= 2e-3), outputs are NaN-poisoned first.
 
 ``test_interpreter`` runs the same kernels on the CPU (TRITON_INTERPRET=1) in a subprocess
-that executes this file as a script; see ``_interpreter_main``.
+that executes this file as a script (tests/triton_interpreter.py); see ``_interpreter_main``.
+triton is in the dev extra: without it this file fails to import, it does not skip.
 """
 from __future__ import annotations
 
 import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-# tests/: fp64_reference (also when this file runs as the interpreter script)
+# tests/: fp64_reference, triton_interpreter (also when this file runs as the interpreter
+# script)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import fp64_reference as ref  # noqa: E402
+import triton_interpreter  # noqa: E402
 
-triton = pytest.importorskip("triton", reason="triton is not installed")
+import triton  # noqa: E402  (the dev extra's: a missing triton fails here, never skips)
 
 import fp8linear  # noqa: E402
 from fp8linear.backends.triton import gemm as tg  # noqa: E402
@@ -448,76 +450,25 @@ def test_compiles_for_target(target):
     assert ck.metadata.shared <= (227 if arch in (90, 100) else 99) * 1024 or backend == "hip"
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="already interpreting")
+@pytest.mark.skipif(triton_interpreter.interpreting(), reason="already interpreting")
 def test_interpreter():
-    """The kernels on the CPU through Triton's interpreter (a subprocess: TRITON_INTERPRET
-    must be set before the kernels are defined)."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env.pop("FP8LINEAR_TRITON_MODE", None)
-    root = Path(__file__).resolve().parents[3]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    assert "interpreter checks passed" in r.stdout
+    """The quant and GEMM kernels on the CPU through Triton's interpreter (a subprocess:
+    TRITON_INTERPRET must be set before the kernels are defined)."""
+    triton_interpreter.run(__file__)
 
 
 # ------------------------------------------------- the interpreter run (this file as a script)
-def _patch_interpreter():
-    """Work around three limitations of Triton 3.6's CPU interpreter (not of the kernels):
-    its fp32 -> fp8/bf16 casts round without carrying into the exponent (31.3 -> 16),
-    its bf16 dot multiplies the raw uint16 storage, and with numpy >= 2.3 a loop bound
-    computed from program_id is a 1-element array that int() rejects. The casts are
-    replaced by torch's (correctly rounded, as the GPU's are)."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter as ti
-
-    conv = ti._convert_float
-
-    def convert(data, src, dst, rounding):
-        if src == tl.float32 and dst in (tl.float8e4nv, tl.bfloat16):
-            t = torch.from_numpy(np.ascontiguousarray(data).view(np.float32))
-            if dst == tl.float8e4nv:
-                return t.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-            return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-        return conv(data, src, dst, rounding)
-
-    ti._convert_float = convert
-
-    patch = ti._patch_lang_tensor
-
-    def patch_tensor(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    ti._patch_lang_tensor = patch_tensor
-
-    dot = ti.InterpreterBuilder.create_dot
-
-    def create_dot(self, a, b, d, precision, imprecise):
-        def f32(h):
-            if h.dtype.scalar == tl.bfloat16:
-                return ti.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32),
-                                       tl.float32)
-            return h
-        return dot(self, f32(a), f32(b), d, precision, imprecise)
-
-    ti.InterpreterBuilder.create_dot = create_dot
-
-
 def _interpreter_main():
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    from fp8linear import knobs
-    knobs.CACHE_VALUES = False  # the loop below switches FP8LINEAR_TRITON_MODE
-    _patch_interpreter()
+    triton_interpreter.start()   # (knobs read afresh: the loop switches FP8LINEAR_TRITON_MODE)
     cpu = torch.device("cpu")
     n_checks = 0
 
-    # activation quantization: bit-exact against quant.py, both rounding paths
+    # activation quantization: bit-exact against quant.py, both rounding paths, every input
+    # dtype
     gen = torch.Generator().manual_seed(0)
-    for m, k in [(1, 1), (3, 100), (5, 300), (2, 1100)]:
-        x = rand_matrix(m, k, gen, cpu, spread=6.0)
+    for (m, k), dt in zip([(1, 1), (3, 100), (5, 300), (2, 1100), (4, 256)],
+                          ["fp32", "bf16", "fp16", "fp32", "bf16"]):
+        x = rand_matrix(m, k, gen, cpu, spread=6.0).to(DT[dt])
         if k >= 256:
             x[0, 128:256] = 0
         q_ref, s_ref = fp8linear.quantize_activation(x)
@@ -525,8 +476,9 @@ def _interpreter_main():
             q = torch.empty_like(q_ref)
             s = torch.empty_like(s_ref)
             tq.launch_quant(x, q, s, round_first=round_first)
-            assert torch.equal(s, s_ref), (m, k, round_first)
-            assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), (m, k, round_first)
+            what = (m, k, dt, round_first)
+            assert torch.equal(s, s_ref), what
+            assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), what
             n_checks += 1
 
     cases = [  # m, n, k, per_row, bias, out, forced config
@@ -565,7 +517,7 @@ def _interpreter_main():
                 check(y, ref_weight_only(xo, w, w_s, bias), f"weight-only linear case {i}")
             n_checks += 1
     os.environ.pop("FP8LINEAR_TRITON_MODE", None)
-    print(f"interpreter checks passed ({n_checks})")
+    triton_interpreter.passed(n_checks)
 
 
 if __name__ == "__main__":
