@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import re
 import zlib
 
 import pytest
@@ -75,6 +76,11 @@ FIXED = [
 # shapes only the Triton path takes (N % 8 or K % 16 nonzero)
 FIXED_UNALIGNED = [(1, 77, 100), (2, 3, 8), (5, 1001, 1037), (130, 129, 129), (1000, 300, 50),
                    (4, 1, 200), (2049, 4100, 1000)]
+
+
+def raises_exactly(exc, msg: str):
+    """pytest.raises for exc with exactly this message."""
+    return pytest.raises(exc, match=f"^{re.escape(msg)}$")
 
 
 def _seed(*parts) -> int:
@@ -164,10 +170,13 @@ def _select(backend: str, monkeypatch):
                 pytest.skip(why)
             pytest.fail(f"on a Hopper GPU the sm90 backend must be available: {why}")
     else:
+        # triton is the GPU tests' dependency (the dev extra) and runs on every CUDA GPU:
+        # where it cannot be imported the suite fails, it does not skip
         try:
             from fp8linear.backends.triton import gemm  # noqa: F401
         except Exception as e:  # noqa: BLE001
-            pytest.skip(f"the triton backend is not importable: {type(e).__name__}: {e}")
+            pytest.fail(f"the triton backend is not importable on this GPU machine: "
+                        f"{type(e).__name__}: {e} (pip install -e '.[dev]')")
     monkeypatch.setenv("FP8LINEAR_BACKEND", backend)
 
 
@@ -337,12 +346,22 @@ def test_reference_helpers_on_cpu():
         assert bool((mag >= ref.abs() - 1e-9).all())
         out = fp8linear.block_fp8_gemm(a, a_s, wq, ws, out_dtype=torch.bfloat16, bias=bias)
         assert_close(out, ref, mag, "cpu reference backend", bias=bias)
-        # a wrong scale in one 128-block of the weight must fail the elementwise check
+        # a wrong scale in one 128-block of the weight must fail the check
         ws_bad = ws.clone()
         ws_bad[0, 0] *= 1.5
         bad = fp8linear.block_fp8_gemm(a, a_s, wq, ws_bad, out_dtype=torch.bfloat16, bias=bias)
-        with pytest.raises(AssertionError):
+        with pytest.raises(AssertionError, match="^planted error: "):
             assert_close(bad, ref, mag, "planted error", bias=bias)
+        # and one element off by three times its tolerance, far too little for the norms:
+        # the elementwise check
+        tol = ROUND_TOL["bf16"] * (ref.abs() + bias.double().abs()) + ACC_TOL * mag
+        i, j = divmod(int(tol.argmin()), c["n"])
+        bad = out.clone()
+        bad[i, j] = ref[i, j] + 3 * tol[i, j]
+        with pytest.raises(AssertionError, match=rf"^planted element: 1 of 650 elements off by "
+                                                 rf"more than rounding \+ accumulation; "
+                                                 rf"first \[{i}, {j}\]"):
+            assert_close(bad, ref, mag, "planted element", bias=bias)
 
 
 # ------------------------------------------------------------------------- GPU tests
@@ -529,7 +548,7 @@ def test_sm90_split_tail_without_workspace_is_an_error(config):
                                "out": "bf16", "bias": None, "seed": 7})
     x = torch.randn(300, 4096, device=DEVICE).to(torch.bfloat16)
     out = _poisoned(300, 1000, torch.bfloat16)
-    with pytest.raises(RuntimeError, match="fp8linear gemm: split tail: no workspace"):
+    with raises_exactly(RuntimeError, "fp8linear gemm: split tail: no workspace"):
         library.load().gemm(x, None, wq, ws, False, None, out, config, False, False, 0, 1, 0, 0)
 
 
@@ -794,11 +813,13 @@ def test_sm90_rejects_unaligned(n, k, monkeypatch):
     x, a, a_s, wq, ws, _ = make_data(c)
     torch.cuda.synchronize()
     out = _poisoned(4, n, torch.bfloat16)
-    with pytest.raises(ValueError, match="16|8"):
+    msg = (f"the sm90 backend needs K % 16 == 0 and N % 8 == 0 (TMA needs 16-byte row "
+           f"strides); got N={n}, K={k}. Unset FP8LINEAR_BACKEND to use the Triton path.")
+    with raises_exactly(ValueError, msg):
         fp8linear.block_fp8_gemm(a, a_s, wq, ws, out=out)
-    with pytest.raises(ValueError):
+    with raises_exactly(ValueError, msg):
         fp8linear.block_fp8_gemm(a, a_s, wq, ws)
-    with pytest.raises(ValueError):
+    with raises_exactly(ValueError, msg):
         fp8linear.fp8_linear(x, wq, ws)
     torch.cuda.synchronize()
     assert bool(out.isnan().all()), "a rejected call wrote to its output"
@@ -858,10 +879,11 @@ def test_sm90_extension_rejects_bad_rows_and_oversized_quant(monkeypatch):
     x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
     wq, ws = fp8linear.quantize_weight(torch.randn(n, k, device=DEVICE))
     out = _poisoned(m, n, torch.bfloat16)
-    with pytest.raises(RuntimeError, match="decode CTAs owning 72..120 rows run one an SM"):
+    with raises_exactly(RuntimeError,
+                        "fp8linear decode: decode CTAs owning 72..120 rows run one an SM"):
         ext.decode(x, None, wq, ws, False, None, out, 0, 13, 0, 80, 1, 2, False, False, False)
-    with pytest.raises(RuntimeError, match="rows must be 64 .token tiles <= 64., 128, or a "
-                                           "multiple of 8 in 72..120"):
+    with raises_exactly(RuntimeError, "fp8linear decode: rows must be 64 (token tiles <= 64), "
+                                      "128, or a multiple of 8 in 72..120"):
         ext.decode(x, None, wq, ws, False, None, out, 0, 11, 0, 100, 1, 1, False, False, False)
     torch.cuda.synchronize()
     assert bool(out.isnan().all()), "a rejected launch wrote to its output"
@@ -869,7 +891,8 @@ def test_sm90_extension_rejects_bad_rows_and_oversized_quant(monkeypatch):
     xe = torch.empty(1, big_k, device=DEVICE, dtype=torch.bfloat16).expand(big_m, big_k)
     qe = torch.empty(1, big_k, device=DEVICE, dtype=torch.uint8).expand(big_m, big_k)
     se = torch.empty(big_k // 128, 1, device=DEVICE).expand(big_k // 128, big_m)
-    with pytest.raises(RuntimeError, match="too many tokens x channels for one launch"):
+    with raises_exactly(RuntimeError,
+                        "fp8linear quant: too many tokens x channels for one launch"):
         ext.quant(xe, qe, se, False)
 
 
@@ -883,7 +906,8 @@ def test_sm90_decode_rejects_fp32_for_fused_quantization(monkeypatch):
     x = torch.randn(m, k, device=DEVICE)
     wq, ws = fp8linear.quantize_weight(torch.randn(n, k, device=DEVICE))
     out = _poisoned(m, n, torch.bfloat16)
-    with pytest.raises(RuntimeError, match="fused quantization takes bf16/fp16 activations"):
+    with raises_exactly(RuntimeError,
+                        "fp8linear decode: fused quantization takes bf16/fp16 activations"):
         library.load().decode(x, None, wq, ws, False, None, out, 0, 1, 0, 128, 1, 1, False,
                             False, False)
     torch.cuda.synchronize()

@@ -25,14 +25,17 @@ class Recorder:
 
     def gemm(self, a, a_scale_t, w, w_scale, per_row, bias, out, config, pdl, quant_pdl,
              early_b, group_m, ws_floats, tiles):
-        self.calls.append(("gemm", dict(a=a, a_scale_t=a_scale_t, per_row=per_row,
+        self.calls.append(("gemm", dict(a=a, a_scale_t=a_scale_t, w=w, w_scale=w_scale,
+                                         per_row=per_row, bias=bias, out=out,
                                          config=config, pdl=pdl, quant_pdl=quant_pdl,
                                          early_b=early_b, group_m=group_m, ws_floats=ws_floats,
                                          tiles=tiles)))
 
     def decode(self, x, x_scale, w, w_scale, per_row, bias, out, ws_floats, tiles, config,
                rows, splits, ctas_per_sm, pdl, early_trigger, quant_first):
-        self.calls.append(("decode", dict(x=x, x_scale=x_scale, ws_floats=ws_floats, tiles=tiles,
+        self.calls.append(("decode", dict(x=x, x_scale=x_scale, w=w, w_scale=w_scale,
+                                          per_row=per_row, bias=bias, out=out,
+                                          ws_floats=ws_floats, tiles=tiles,
                                           config=config, rows=rows, splits=splits,
                                           ctas=ctas_per_sm, pdl=pdl, early=early_trigger,
                                           quant_first=quant_first)))
@@ -268,3 +271,150 @@ def test_launch_cache_is_bounded(lib, monkeypatch):
         assert 1 <= len(launch._launches) <= 3 and len(lib.calls) == 5
     finally:
         knobs.reload()
+
+
+# ----------------------------------------------------------------------------- bias
+# (op, M): the large-M GEMM and the decode kernel, each through block_fp8_gemm and fp8_linear
+KERNELS = [("gemm", 600), ("gemm", 1), ("linear", 600), ("linear", 1)]
+
+
+N, K = 512, 512     # (small: quick to make; M = 1 still decodes, 600 runs the large-M GEMM)
+
+
+def _call(op, m, n, k, bias, out_dtype=torch.bfloat16):
+    x, a, a_s, w, ws = _operands(m, n, k)
+    out = torch.empty(m, n, dtype=out_dtype)
+    if op == "gemm":
+        sm90.gemm(a, a_s, w, ws, bias, out)
+    else:
+        sm90.linear(x.to(out_dtype), w, ws, bias, out)
+    return out
+
+
+@pytest.mark.parametrize("op,m", KERNELS)
+@pytest.mark.parametrize("bias_dtype,out_dtype", [(torch.bfloat16, torch.bfloat16),
+                                                  (torch.float32, torch.bfloat16),
+                                                  (torch.float32, torch.float16)])
+def test_bias_in_the_output_dtype_or_fp32_goes_as_is(lib, op, m, bias_dtype, out_dtype):
+    # the library reads a bias in the output's dtype, or fp32 (its flag): no copy
+    bias = torch.randn(N).to(bias_dtype)
+    out = _call(op, m, N, K, bias, out_dtype)
+    (kind, c), = lib.calls
+    assert kind == ("decode" if m == 1 else "gemm")
+    assert c["bias"] is bias and c["out"] is out
+
+
+@pytest.mark.parametrize("op,m", KERNELS)
+@pytest.mark.parametrize("bias_dtype,out_dtype", [(torch.bfloat16, torch.float16),
+                                                  (torch.float16, torch.bfloat16),
+                                                  (torch.float64, torch.bfloat16)])
+def test_bias_in_another_dtype_goes_as_fp32(lib, op, m, bias_dtype, out_dtype):
+    # never rounded to the output dtype first: fp32 holds a bf16/fp16 bias exactly
+    bias = (torch.randn(N) * 3).to(bias_dtype)
+    _call(op, m, N, K, bias, out_dtype)
+    (_, c), = lib.calls
+    assert c["bias"].dtype == torch.float32 and c["bias"].data_ptr() % 8 == 0
+    assert torch.equal(c["bias"], bias.float())
+
+
+@pytest.mark.parametrize("op,m", KERNELS)
+def test_bias_at_an_odd_offset_is_copied(lib, op, m):
+    # the kernels read the bias in pairs: an 8-byte aligned copy of a view at an odd offset
+    full = torch.randn(N + 4).to(torch.bfloat16)
+    bias = full[1:N + 1]
+    assert bias.data_ptr() % 8 != 0
+    _call(op, m, N, K, bias)
+    (_, c), = lib.calls
+    got = c["bias"]
+    assert got.data_ptr() % 8 == 0 and got.dtype == torch.bfloat16 and torch.equal(got, bias)
+    aligned = full[4:]       # 8 bytes in: handed over as it is
+    _call(op, m, N, K, aligned)
+    assert lib.calls[-1][1]["bias"] is aligned
+
+
+@pytest.mark.parametrize("op,m", KERNELS)
+def test_no_bias_stays_none(lib, op, m):
+    _call(op, m, N, K, None)
+    assert lib.calls[-1][1]["bias"] is None
+
+
+# ------------------------------------------------------------------- the Triton fallback
+@pytest.fixture
+def triton_stand_in(monkeypatch):
+    """The Triton backend's gemm / linear (fp8linear.backends.triton.gemm), recording."""
+    from fp8linear.backends.triton import gemm as triton_gemm
+    calls = []
+    monkeypatch.setattr(triton_gemm, "gemm", lambda *args: calls.append(("gemm", args)))
+    monkeypatch.setattr(triton_gemm, "linear", lambda *args: calls.append(("linear", args)))
+    return calls
+
+
+def _misaligned(t, by=1):
+    """t's values in a view whose data pointer is ``by`` elements past a 16-byte boundary."""
+    buf = torch.empty(t.numel() + by, dtype=t.dtype)
+    v = buf[by:].view(t.shape)
+    v.copy_(t)
+    return v
+
+
+@pytest.mark.parametrize("op,m", KERNELS)
+def test_fp32_outputs_go_to_triton(lib, triton_stand_in, op, m):
+    # the CUDA epilogue writes 16-bit outputs only
+    n, k = N, K
+    x, a, a_s, w, ws = _operands(m, n, k)
+    bias = torch.randn(n)
+    out = torch.empty(m, n)
+    if op == "gemm":
+        sm90.gemm(a, a_s, w, ws, bias, out)
+        want = (a, a_s, w, ws, bias, out)
+    else:
+        sm90.linear(x, w, ws, bias, out)
+        want = (x, w, ws, bias, out)
+    assert lib.calls == []
+    (kind, args), = triton_stand_in
+    assert kind == op and len(args) == len(want)
+    assert all(g is e for g, e in zip(args, want))     # the caller's tensors, untouched
+
+
+@pytest.mark.parametrize("op,m", KERNELS)
+@pytest.mark.parametrize("which", ["activations", "weight", "out"])
+def test_views_off_16_byte_boundaries_go_to_triton(lib, triton_stand_in, op, m, which):
+    # TMA descriptors need 16-byte aligned base addresses
+    n, k = N, K
+    x, a, a_s, w, ws = _operands(m, n, k)
+    out = _out(m, n)
+    if which == "activations":
+        a, x = _misaligned(a), _misaligned(x)
+    elif which == "weight":
+        w = _misaligned(w)
+    else:
+        out = _misaligned(out)
+    if op == "gemm":
+        sm90.gemm(a, a_s, w, ws, None, out)
+    else:
+        sm90.linear(x, w, ws, None, out)
+    assert lib.calls == []
+    (kind, args), = triton_stand_in
+    assert kind == op and args[-1] is out
+
+
+@pytest.mark.parametrize("op,m", KERNELS)
+def test_aligned_16_bit_outputs_stay_on_sm90(lib, triton_stand_in, op, m):
+    _call(op, m, N, K, None)
+    assert len(lib.calls) == 1 and triton_stand_in == []
+
+
+def test_dispatch_log_names_each_decision_once(lib, triton_stand_in, monkeypatch, capsys):
+    monkeypatch.setattr(sm90, "_LOG_DISPATCH", True)
+    monkeypatch.setattr(sm90, "_logged", set())
+    m, n, k = 600, N, K
+    x, a, a_s, w, ws = _operands(m, n, k)
+    for _ in range(2):
+        sm90.gemm(a, a_s, w, ws, None, _out(m, n))
+        sm90.gemm(a, a_s, w, ws, None, torch.empty(m, n))
+    p = plan.choose(m, n, k, 132)
+    assert capsys.readouterr().err.splitlines() == [
+        f"fp8linear dispatch: block_fp8_gemm x(600, 512) torch.float8_e4m3fn w(512, 512) -> "
+        f"torch.bfloat16: sm90 {p} ({p.rule})",
+        "fp8linear dispatch: block_fp8_gemm x(600, 512) torch.float8_e4m3fn w(512, 512) -> "
+        "torch.float32: triton (fp32 output or unaligned pointer)"]
