@@ -2,10 +2,10 @@
 stderr and a meaningful exit status, never a traceback or lost data."""
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,9 +22,18 @@ def run(capsys, *argv):
     return rc, out, err
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
 def command():
-    exe = shutil.which("fp8linear")
-    return [exe] if exe else [sys.executable, "-m", "fp8linear.cli"]
+    """This checkout's `fp8linear` command (its entry point, fp8linear.cli:main, from the
+    checkout's sources: see checkout_env), not whatever `fp8linear` is first on PATH."""
+    return [sys.executable, "-m", "fp8linear.cli"]
+
+
+def checkout_env() -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO),
+                                                        os.environ.get("PYTHONPATH", "")]))
 
 
 @pytest.fixture
@@ -141,7 +150,8 @@ def test_a_closed_stdout_ends_quietly():
     os.close(r)
     try:
         p = subprocess.run(command() + ["demo", "--json", "--device", "cpu", "--layers", "1"],
-                           stdout=w, stderr=subprocess.PIPE, text=True, timeout=300)
+                           stdout=w, stderr=subprocess.PIPE, text=True, env=checkout_env(),
+                           timeout=300)
     finally:
         os.close(w)
     assert (p.returncode, p.stderr) == (141, "")

@@ -114,8 +114,11 @@ def test_main_cpu_smoke(E, tmp_path):
     for key in ("device", "torch", "date", "command"):
         assert h[key]
     assert {(r["variant"], r["batch"]) for r in rows} >= {("bf16", 1), ("fp8linear", 4)}
-    # no blockwise _scaled_mm on a CPU: dropped with the reason, not an error
-    assert "scaled_mm" in h["dropped"] or any(r["variant"] == "scaled_mm" for r in rows)
+    # no blockwise _scaled_mm on a CPU: dropped with the probe's reason, not an error
+    assert h["scaled_mm_probe"] and h["scaled_mm_cublas_variant"] is None
+    assert h["dropped"] == {"scaled_mm": "blockwise torch._scaled_mm unavailable or wrong "
+                                         "here: " + "; ".join(h["scaled_mm_probe"])}
+    assert "scaled_mm" not in {r["variant"] for r in rows}
     assert all(r["tok_s"] > 0 and r["step_ms"] > 0 for r in rows)
     assert [r["variant"] for r in h["host_overhead"]] == [v for v in ("bf16", "fp8linear")]
     assert h["eager_step"] and not h["errors"]

@@ -32,7 +32,6 @@ def _run(path, engines, **header):
 
 
 def test_merge_combines_runs_and_recomputes_targets(E, tmp_path, capsys):
-    pytest.importorskip("matplotlib")
     a = _run(tmp_path / "a.json", {"fp8_blockgemm": [4.0, 4.0], "fp8_cutlass": [4.6, 5.6]})
     b = _run(tmp_path / "b.json", {"fp8_deepgemm": [4.7, 4.2], "fp8_blockgemm": [3.8, 3.7]})
     out = tmp_path / "m.json"
@@ -65,7 +64,6 @@ def test_merge_keeps_a_renamed_run_and_compares_prompt_logprobs_across_runs(E, t
     """JSON@SUFFIX keeps a run with other settings beside the same engines (its anchors
     still count for the target); batch lists may differ; an engine scored apart from bf16
     compares on the prompt's log-probabilities only."""
-    pytest.importorskip("matplotlib")
     n = E.LP_PROMPT_LEN - 1
     a = _run(tmp_path / "a.json", {"fp8_blockgemm": [4.0, 4.0, 9.0],
                                    "fp8_cutlass": [4.4, 5.6, 26.0]}, batches=[1, 4, 256])
@@ -98,7 +96,6 @@ def test_merge_keeps_a_renamed_run_and_compares_prompt_logprobs_across_runs(E, t
 def test_merge_renames_only_the_named_engines(E, tmp_path):
     """JSON@SUFFIX:A,B renames A and B only: a run of BF16 and our engine at max_num_seqs 256
     keeps its bf16 as the reference while our engine sits beside the batch 1-64 run's."""
-    pytest.importorskip("matplotlib")
     a = _run(tmp_path / "a.json", {"fp8_blockgemm": [4.0, 4.0], "bf16": [6.5, 6.6]})
     b = _run(tmp_path / "b.json", {"fp8_blockgemm": [3.8, 3.7]})
     out = tmp_path / "m.json"

@@ -129,7 +129,11 @@ def test_quantized_model_output_close_to_original():
         want = model(ids)
         got = quantize_model(model)(ids)
     # three quantized layers in a row (one of them summed over 16 outputs): a few e4m3 steps
-    assert ref.rel_err(got, want) <= 0.1
+    # (0.064 here), so close, but not closer than fp8 allows: an unquantized model (0), or
+    # one whose linears ran in bf16 (~0.003), fails
+    err = ref.rel_err(got, want)
+    assert 0.02 <= err <= 0.1, err
+    assert len(_names(model)) == 6
 
 
 def test_state_dict_round_trip():

@@ -196,7 +196,7 @@ def test_token_windows_cut_and_split(tmp_path):
 
 
 def test_json_tokenizer_reads_a_checkpoints_tokenizer_json(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
+    import tokenizers   # (transformers' dependency, in the dev extra: missing, this fails)
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
         {"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
@@ -285,7 +285,6 @@ def test_unchunk_refuses_a_corrupt_or_missing_chunk(tmp_path):
 
 
 # ------------------------------------------------------------------ the committed result
-@pytest.mark.skipif(not RESULT.exists(), reason=f"{RESULT.name} not committed yet")
 def test_committed_cpu_result_has_the_full_table():
     d = json.loads(RESULT.read_text())
     h = d["header"]
