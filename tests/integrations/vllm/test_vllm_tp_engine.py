@@ -5,6 +5,7 @@ channels per rank), loads through the model's own load_weights and matches TP=1.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -16,6 +17,15 @@ from conftest import HERE, MAX_TOKENS, PROMPT, vllm_env
 # measured TP=2 vs TP=1: mean 0.08-0.09, max 0.22-0.27 (the K re-blocking of down_proj and the
 # activation groups restarting at each rank's first channel move the FP8 rounding)
 TP_MEAN_TOL, TP_MAX_TOL = 0.2, 0.6
+
+
+def worker_cpus() -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for two workers: one core each, of those this process may
+    run on (read, not assumed: a CI container or taskset may leave out CPUs 0 and 1)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip(f"TP=2 needs two CPUs, this process may use only {cpus}")
+    return f"{cpus[0]}|{cpus[1]}"
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +40,7 @@ def tp_results(tiny_models, tmp_path_factory):
                    # apply_model ships the inspection function to the worker processes
                    VLLM_ALLOW_INSECURE_SERIALIZATION=1,
                    # one core per CPU worker (vLLM refuses to guess with one NUMA node)
-                   VLLM_CPU_OMP_THREADS_BIND="0|1")
+                   VLLM_CPU_OMP_THREADS_BIND=worker_cpus())
     proc = subprocess.run([sys.executable, str(HERE / "engine_runner.py"), str(spec), str(out)],
                           env=env, capture_output=True, text=True, timeout=600)
     (tmp / "runner.log").write_text(proc.stdout + proc.stderr)
