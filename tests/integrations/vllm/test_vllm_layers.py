@@ -9,11 +9,11 @@ down_proj with 192 input channels per rank (K re-blocking).
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 
 import pytest
+from torch.distributed import TCPStore
 
 from conftest import HERE, vllm_env
 
@@ -38,17 +38,16 @@ LAYOUT = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(tmp, world: int) -> list[dict]:
-    port = _free_port()
+    # The ranks' rendezvous store is hosted here, bound to a port the OS picks (port 0), and
+    # stays bound while they run; every rank connects to it as a client
+    # (TORCHELASTIC_USE_AGENT_STORE=True: torch's switch for a store hosted by someone else).
+    # No port is picked, released and bound again by another process.
+    store = TCPStore("127.0.0.1", 0, world_size=world, is_master=True, wait_for_workers=False)
     outs = [tmp / f"rank{r}.json" for r in range(world)]
+    env = vllm_env(tmp, TORCHELASTIC_USE_AGENT_STORE=True)
     procs = [subprocess.Popen([sys.executable, str(HERE / "tp_worker.py"), str(r), str(world),
-                               str(port), str(outs[r])], env=vllm_env(tmp),
+                               str(store.port), str(outs[r])], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
     logs = []
@@ -59,6 +58,7 @@ def _run_ranks(tmp, world: int) -> list[dict]:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+        del store
     for r, p in enumerate(procs):
         if p.returncode != 0 or not outs[r].exists():
             pytest.fail(f"tp_worker rank {r}/{world} failed (rc={p.returncode}):\n"
