@@ -10,7 +10,7 @@
 #
 # TOTAL_S (default 540; the device allows 600 s a command) bounds everything; RESERVE (15 s)
 # is kept for collecting the outputs. Steps (STEPS, default setup,decoder,vllm):
-#   setup    pip install fp8linear + its vLLM plugin (entry point vllm.general_plugins) into
+#   setup    pip install of this checkout (fp8linear + its vLLM plugin, entry point vllm.general_plugins) into
 #            /tmp/fp8linear-site unless importable already (e.g. after
 #            benchmarks/vllm_device/run.sh setup on this machine); then, in parallel:
 #            the fp8linear kernels (prebuilt from a carried .prebuilt, or the cache, or
