@@ -46,9 +46,10 @@ serve() {  # serve NAME full|quick CMD...: start, time /health, HTTP checks, sto
   say "-- server log ($name): our lines and any build or error lines"
   grep -iE "fp8linear|fp8_blockgemm|nvcc|compiling the sm90|error|traceback" $log | grep -v "^$" | head -25 | tee -a $L
 }
-clear_caches
-serve bf16 quick vllm serve /tmp/smollm2-bf16
-clear_caches
-serve fp8 full vllm serve /tmp/smollm2-fp8 --quantization fp8_blockgemm
-serve bf16_online quick vllm serve /tmp/smollm2-bf16 --quantization fp8_blockgemm
+# SERVES: which of the three starts this call makes (each ~2 min cold; a call has 10 min)
+SERVES=${SERVES:-bf16,fp8,bf16_online}
+want() { case ",$SERVES," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+want bf16 && { clear_caches; serve bf16 quick vllm serve /tmp/smollm2-bf16; }
+want fp8 && { clear_caches; serve fp8 full vllm serve /tmp/smollm2-fp8 --quantization fp8_blockgemm; }
+want bf16_online && serve bf16_online quick vllm serve /tmp/smollm2-bf16 --quantization fp8_blockgemm
 say ""; say "== cold start (caches cleared before each): $(tr '\n' ' ' < /tmp/ready.txt)"
