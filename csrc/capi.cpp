@@ -166,7 +166,7 @@ struct DecodeCall {
 extern "C" {
 
 // Version of this interface: library.py refuses a library whose version differs.
-FP8L_API int fp8l_abi_version() { return 2; }
+FP8L_API int fp8l_abi_version() { return 3; }
 
 // sizeof of each argument struct: library.py checks its packed layout against them at load.
 FP8L_API int fp8l_arg_size(int entry) {
@@ -284,6 +284,9 @@ FP8L_API const char* fp8l_decode(const DecodeCall* c) {
   d.pdl = c->pdl != 0;
   d.early_trigger = c->early_trigger != 0;
   d.num_sms = num_sms();
+  d.tile_expert = static_cast<const int*>(c->tile_expert);
+  d.experts = c->experts;
+  if (d.tile_expert != nullptr) return result(fp8l::launch_moe_decode(d, s), "grouped decode");
   return result(fp8l::launch_decode(d, s), "decode");
 }
 

@@ -9,13 +9,16 @@ For each token and each of its top-k experts e (weights w13[e] = [gate; up] and 
 4. y_e = the block-FP8 GEMM of h with w2[e], kept in fp32;
 5. out = sum over the k slots, in slot order, of topk_weight * y_e, in fp32, rounded once.
 
-This torch version runs anywhere (the CPU reference); it groups tokens by expert, as the
-kernels do, which changes no result: each (token, slot) is computed on its own.
+``moe_reference`` runs anywhere (the CPU reference); it groups tokens by expert, as the
+kernels do, which changes no result: each (token, slot) is computed on its own. ``fused_moe``
+is the layer for serving: on Hopper our grouped expert GEMMs (backends/sm90/moe.py, with
+moe_routing.py's stages), elsewhere the reference.
 """
 from __future__ import annotations
 
 import torch
 
+from .backends import dispatch
 from .quant import FP8_DTYPE, cdiv, quantize_activation, reference_gemm
 from .swiglu_quant import silu_mul_reference
 
@@ -48,6 +51,14 @@ def _check(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids):
     if tuple(topk_weights.shape) != tuple(topk_ids.shape):
         raise ValueError(f"topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, "
                          f"got {tuple(topk_weights.shape)}")
+    tensors = {"x": x, "w13": w13, "w13_scale": w13_scale, "w2": w2, "w2_scale": w2_scale,
+               "topk_weights": topk_weights, "topk_ids": topk_ids}
+    for name, t in tensors.items():
+        if t.device != x.device:
+            raise ValueError(f"{name} must be on x's device {x.device}, got {t.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (shape {tuple(t.shape)}, strides "
+                             f"{t.stride()})")
 
 
 def moe_reference(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
@@ -78,3 +89,23 @@ def moe_reference(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
     for j in range(ids.shape[1]):  # the fixed combine order: slot 0 first
         out += topk_weights[:, j:j + 1].float() * y[:, j]
     return out.to(x.dtype)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+              w2_scale: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """The block-FP8 MoE layer: ``moe_reference``'s arguments and numerics (out [M, H] in
+    x's dtype), on the fastest path for the device. On the GPU the expert ids are not read
+    on the host (CUDA graphs and torch.compile work): they must lie in 0..E-1."""
+    _check(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    inter = w13.shape[1] // 2
+    block = w13_scale.shape[1] == cdiv(2 * inter, 128) and w2_scale.shape[1] == cdiv(
+        x.shape[1], 128)
+    # (fp32 activations: the reference; the kernels take bf16/fp16)
+    if x.dtype != torch.float32 and dispatch.moe_backend(x.device, x.shape[1], inter,
+                                                         block) == "sm90":
+        from .backends.sm90 import moe as sm90_moe
+        return sm90_moe.fused_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
+    return moe_reference(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)

@@ -97,3 +97,25 @@ def random_matrix(n: int, k: int, gen: torch.Generator, dtype=torch.float32,
     x = torch.randn(n, k, generator=gen) * mag
     x = torch.where(x == 0, torch.full_like(x, 1e-3), x)
     return x.to(dtype)
+
+
+def moe(xq, xs, dtype, w13, s13, w2, s2, weights, ids) -> torch.Tensor:
+    """The block-FP8 MoE layer (fp8linear/moe.py's numerics) on quantized activations xq, xs,
+    each (token, slot) on its own, in fp64: dequantized operands; the intermediate rounded to
+    ``dtype``, SiLU-and-mul in ``dtype``, quantized per 128 channels with fp64 e4m3 rounding."""
+    xd = dequant(xq, xs)
+    out = torch.zeros(xq.shape, dtype=torch.float64, device=xq.device)
+    inter = w13.shape[1] // 2
+    used = {int(e) for e in ids.flatten()}
+    d13 = {e: dequant(w13[e], s13[e]) for e in used}
+    d2 = {e: dequant(w2[e], s2[e]) for e in used}
+    for t in range(xq.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gu = (xd[t:t + 1] @ d13[e].t()).to(dtype)
+            g = gu[:, :inter].float()
+            h = ((g / (1 + torch.exp(-g))).to(dtype) * gu[:, inter:]).double()
+            hs = activation_scales(h)
+            hd = e4m3_round(h / per_element(hs, 1, inter)) * per_element(hs, 1, inter)
+            out[t] += float(weights[t, j]) * (hd @ d2[e].t())[0]
+    return out

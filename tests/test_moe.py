@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import fp64_reference as R
 from fp8linear import quantize_activation, quantize_weight
-from fp8linear.moe import moe_reference
+from fp8linear.moe import fused_moe, moe_reference
 
 
 def _experts(num, n, k, gen, per_row=False):
@@ -23,21 +22,8 @@ def _experts(num, n, k, gen, per_row=False):
 
 
 def _fp64_moe(x, w13, s13, w2, s2, weights, ids):
-    """Each (token, slot) on its own, in fp64: dequantized operands; the intermediate rounded
-    to x's dtype, SiLU-and-mul, quantized per 128 channels with fp64 e4m3 rounding."""
     xq, xs = quantize_activation(x)   # (the activations' quantization: bit-exact elsewhere)
-    xd = R.dequant(xq, xs)
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    inter = w13.shape[1] // 2
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            gu = (xd[t:t + 1] @ R.dequant(w13[e], s13[e]).t()).to(x.dtype)
-            h = (F.silu(gu[:, :inter].float()).to(x.dtype) * gu[:, inter:]).double()
-            hs = R.activation_scales(h)
-            hd = R.e4m3_round(h / R.per_element(hs, 1, inter)) * R.per_element(hs, 1, inter)
-            out[t] += float(weights[t, j]) * (hd @ R.dequant(w2[e], s2[e]).t())[0]
-    return out
+    return R.moe(xq, xs, x.dtype, w13, s13, w2, s2, weights, ids)
 
 
 CASES = [  # (M, E, top_k, H, I, routing, dtype, per_row)
@@ -106,3 +92,30 @@ def test_moe_reference_errors():
     with pytest.raises(ValueError, match=r"^topk_weights must have topk_ids' shape \(3, 1\), "
                                          r"got \(3, 2\)$"):
         moe_reference(x, w13, s13, w2, s2, torch.ones(3, 2), ids)
+
+
+def test_fused_moe_on_the_cpu_is_the_reference():
+    gen = torch.Generator().manual_seed(11)
+    m, e, h, inter = 6, 4, 256, 128
+    x = R.random_matrix(m, h, gen, spread=1.0).to(torch.bfloat16)
+    w13, s13 = _experts(e, 2 * inter, h, gen)
+    w2, s2 = _experts(e, h, inter, gen)
+    ids = torch.randint(0, e, (m, 2), generator=gen)
+    wts = torch.rand(m, 2, generator=gen)
+    assert torch.equal(fused_moe(x, w13, s13, w2, s2, wts, ids),
+                       moe_reference(x, w13, s13, w2, s2, wts, ids))
+    assert fused_moe(x[:0], w13, s13, w2, s2, wts[:0], ids[:0]).shape == (0, h)
+
+
+def test_fused_moe_errors_name_the_tensor():
+    gen = torch.Generator().manual_seed(2)
+    w13, s13 = _experts(2, 256, 128, gen)
+    w2, s2 = _experts(2, 128, 128, gen)
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    ids = torch.zeros(3, 2, dtype=torch.int64)
+    wts = torch.ones(3, 2)
+    with pytest.raises(ValueError, match=r"^topk_weights must be contiguous \(shape \(3, 2\), "
+                                         r"strides \(1, 3\)\)$"):
+        fused_moe(x, w13, s13, w2, s2, torch.ones(2, 3).t(), ids)
+    with pytest.raises(ValueError, match=r"^topk_ids must be on x's device cpu, got meta$"):
+        fused_moe(x, w13, s13, w2, s2, wts, ids.to("meta"))

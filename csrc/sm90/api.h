@@ -76,7 +76,14 @@ struct DecodeArgs {
   bool pdl;               // programmatic dependent launch
   bool early_trigger;     // (pdl) the next kernel may launch as soon as ours has started
   int num_sms;            // of the device (whether the grid fits in one wave)
+  // Grouped (mixture of experts, launch_moe_decode): w [experts, N, K], w_scale [experts, ...],
+  // x the tokens sorted by expert in token tiles of BT, tile_expert [M / BT] each tile's expert
+  // (-1: unused). Dense: nullptr and 1.
+  const int* tile_expert;
+  int experts;
 };
 std::string launch_decode(const DecodeArgs& args, cudaStream_t stream);
+// The grouped expert GEMM (sm90/moe.cu): fp8 x, 128-row CTAs, bf16/fp16/fp32 outputs.
+std::string launch_moe_decode(const DecodeArgs& args, cudaStream_t stream);
 
 }  // namespace fp8l

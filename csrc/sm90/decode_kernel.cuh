@@ -18,6 +18,7 @@
 // an fp32 workspace; the last CTA to arrive at the tile's counter sums them.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 #include <cuda.h>
 
 #include "common/ptx.cuh"
@@ -71,6 +72,9 @@ struct DecodeParams {
   int window;            // weight stages in flight at most (0: the whole ring; kRelay: 1 ..
                          // stages - 1; decode.cu)
   int first_stages;      // weight stages requested before the activations at most (0: the ring)
+  // kGrouped (mixture of experts): the weights are [E * N, K], the scales [E, ...] likewise,
+  // and token tile y runs expert tile_expert[y] (-1: an unused tile, the CTA exits)
+  const int* tile_expert;
 };
 
 // kRowStep: a 128-row CTA owning only p.row_step rows (a box of that many lands in its stage;
@@ -81,12 +85,26 @@ struct DecodeParams {
 // (fp8 input) come from a second producer warp straight onto `full`. So the weights stream at
 // the window's pace while the previous kernel runs, and the math warps still wait on one
 // barrier a stage (a second wait there cost 2-11%; docs/tuning.md: decode-relay).
+// kGrouped: the grouped expert GEMM of a mixture-of-experts layer (sm90/moe.cu): each token
+// tile belongs to one expert, whose weight rows and scales the CTA reads; fp8 input only.
 template <int BT, int kRows, bool kPerRow, typename OutT, int kCtasPerSM, bool kRowStep,
-          bool kRelay = false>
+          bool kRelay = false, bool kGrouped = false>
 __global__ void __launch_bounds__(384, kCtasPerSM)
     fp8_decode_kernel(const __grid_constant__ CUtensorMap tmap_w,
                       const __grid_constant__ CUtensorMap tmap_x,  // fp8 activations (kInFP8)
                       const DecodeParams p) {
+  static_assert(!kGrouped || (!kRowStep && !kRelay), "grouped: plain 128/64-row CTAs");
+  // (grouped) this tile's expert: its first row in the [E * N, K] weights and its scales.
+  // The routing that wrote tile_expert ran before us, not under PDL.
+  int wrow0 = 0;
+  const float* w_scale = p.w_scale;
+  if constexpr (kGrouped) {
+    const int e = __ldg(p.tile_expert + blockIdx.y);
+    if (e < 0) return;
+    wrow0 = e * p.N;
+    w_scale += size_t(e) * (kPerRow ? p.N : (p.N + kDecodeMaxRows - 1) / kDecodeMaxRows) *
+               p.num_kb;
+  }
   extern __shared__ uint8_t smem_raw[];
   // aligned as an offset into smem_raw, so that the pointers stay shared ones (LDS; see
   // gemm_kernel.cuh)
@@ -189,7 +207,7 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
           mbar_wait(&full[j % p.stages], (j / p.stages) & 1);
         }
         mbar_arrive_expect_tx(&full[s], bytes);
-        tma_load_2d(sW + s * L.stage, &tmap_w, &full[s], (kb0 + i) * kBlockK, n0, once);
+        tma_load_2d(sW + s * L.stage, &tmap_w, &full[s], (kb0 + i) * kBlockK, wrow0 + n0, once);
         if (fused) continue;  // the math warps read and quantize the activations themselves
         if (i == first - 1) {
           // The first stages' weights are on their way; the activations were written by the
@@ -216,7 +234,7 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
   if constexpr (kPerRow) {
     for (int e = tid; e < kbs * kRows; e += 256) {
       const int i = e / kRows, r = e % kRows;
-      sWS[e] = n0 + r < p.N ? __ldg(p.w_scale + size_t(n0 + r) * p.num_kb + kb0 + i) : 0.f;
+      sWS[e] = n0 + r < p.N ? __ldg(w_scale + size_t(n0 + r) * p.num_kb + kb0 + i) : 0.f;
     }
   } else {
     if constexpr (kRowStep) {
@@ -228,7 +246,7 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
       }
     } else {
       for (int i = tid; i < kbs; i += 256)
-        sWS[i] = __ldg(p.w_scale + size_t(n0 / kDecodeMaxRows) * p.num_kb + kb0 + i);
+        sWS[i] = __ldg(w_scale + size_t(n0 / kDecodeMaxRows) * p.num_kb + kb0 + i);
     }
   }
   pdl_wait();                   // activations come from the previous kernel
@@ -432,10 +450,14 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
 #pragma unroll
       for (int q = 0; q < 4; ++q) o[q] += bias_at(n + q);
     }
-    uint2 packed;
-    packed.x = OutTraits<OutT>::pack(o[0], o[1]);
-    packed.y = OutTraits<OutT>::pack(o[2], o[3]);
-    *reinterpret_cast<uint2*>(out + size_t(m) * p.N + n) = packed;
+    if constexpr (std::is_same_v<OutT, float>) {
+      *reinterpret_cast<float4*>(out + size_t(m) * p.N + n) = make_float4(o[0], o[1], o[2], o[3]);
+    } else {
+      uint2 packed;
+      packed.x = OutTraits<OutT>::pack(o[0], o[1]);
+      packed.y = OutTraits<OutT>::pack(o[2], o[3]);
+      *reinterpret_cast<uint2*>(out + size_t(m) * p.N + n) = packed;
+    }
   };
   constexpr int kTile4 = BT * kRows / 4;  // float4s of a partial tile
   // this split's partial tile [BT tokens][kRows] into dst (shared or global memory)

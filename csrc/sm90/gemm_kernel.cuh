@@ -53,6 +53,11 @@ struct OutTraits<__half> {
   }
 };
 
+template <>
+struct OutTraits<float> {  // (the grouped expert GEMMs' fp32 outputs: sm90/moe.cu)
+  __device__ static float from(float a) { return a; }
+};
+
 struct GemmParams {
   int M, N, K, num_kb;
   const float* w_scale;  // [ceil(N/128), num_kb] blocks or [N, num_kb] per row

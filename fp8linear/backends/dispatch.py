@@ -70,3 +70,22 @@ def backend_for(device: torch.device, m: int, n: int, k: int):
         # which has no such limit, instead of failing.
         name = "triton"
     return _module(name)
+
+
+def moe_backend(device: torch.device, hidden: int, inter: int, block_scales: bool) -> str:
+    """The MoE layer's path: "sm90" (grouped expert GEMMs, backends/sm90/moe.py) on Hopper for
+    the shapes it takes, else "reference" (fp8linear.moe.moe_reference)."""
+    forced = forced_backend()
+    if device.type != "cuda" or forced in ("reference", "triton"):
+        return "reference"
+    if _cuda_default(device.index or 0) != "sm90" and forced != "sm90":
+        return "reference"
+    from .sm90 import moe as sm90_moe
+    if sm90_moe.supported(hidden, inter, block_scales):
+        return "sm90"
+    if forced == "sm90":
+        raise ValueError(f"the sm90 MoE kernels need hidden % 16 == 0, an expert "
+                         f"intermediate size % 128 == 0 and 128x128 weight scales; got hidden "
+                         f"{hidden}, intermediate {inter}"
+                         f"{'' if block_scales else ', per-row scales'}")
+    return "reference"

@@ -21,7 +21,7 @@ import torch
 from . import build
 from .tiles import DTYPE_CODES, ENTRY_ARGS
 
-ABI_VERSION = 2  # csrc/capi.cpp fp8l_abi_version()
+ABI_VERSION = 3  # csrc/capi.cpp fp8l_abi_version()
 _ENTRIES = ("quant", "gemm", "decode")  # fp8l_arg_size's numbering
 _KIND = {"ptr": "P", "i64": "q", "i32": "i"}
 
@@ -42,13 +42,14 @@ _GEMM = _layout("gemm", ("a", "a_scale_t", "w", "w_scale", "bias", "out", "strea
                          "out_dtype", "m", "n", "k", "config", "pdl", "quant_pdl", "early_b",
                          "group_m", "device"))
 _DECODE = _layout("decode", ("x", "x_scale", "w", "w_scale", "bias", "out", "stream",
-                             "ws_floats", "tiles", "x_dtype", "xs_stride_m", "xs_stride_kb",
+                             "tile_expert", "ws_floats", "tiles", "x_dtype", "xs_stride_m", "xs_stride_kb",
                              "per_row", "bias_f32", "out_dtype", "m", "n", "k", "config", "rows",
                              "splits", "ctas_per_sm", "pdl", "early_trigger", "quant_first",
-                             "device"))
+                             "experts", "device"))
 _IN = {torch.bfloat16: DTYPE_CODES["kInBF16"], torch.float16: DTYPE_CODES["kInFP16"],
        torch.float32: DTYPE_CODES["kInFP32"], torch.float8_e4m3fn: DTYPE_CODES["kInFP8"]}
-_OUT = {torch.bfloat16: DTYPE_CODES["kOutBF16"], torch.float16: DTYPE_CODES["kOutFP16"]}
+_OUT = {torch.bfloat16: DTYPE_CODES["kOutBF16"], torch.float16: DTYPE_CODES["kOutFP16"],
+        torch.float32: DTYPE_CODES["kOutFP32"]}  # (fp32: the grouped expert GEMMs only)
 # the current stream's handle, cheaply (CUDA builds of torch; only called on CUDA tensors)
 _stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
@@ -99,16 +100,28 @@ class Library:
                splits, ctas_per_sm, pdl, early_trigger, quant_first) -> None:
         # x fp8 with x_scale (m, kb) at any strides; or bf16/fp16 quantized in the kernel, or
         # by the quant kernel first (quant_first)
+        self._decode_call(x, x_scale, w, w_scale, per_row, bias, out, ws_floats, tiles, config,
+                          rows, splits, ctas_per_sm, pdl, early_trigger, quant_first, None)
+
+    def grouped(self, x, x_scale, w, w_scale, out, tile_expert, ws_floats, tiles, config,
+                splits, ctas_per_sm) -> None:
+        # the grouped expert GEMM (backends/sm90/moe.py): fp8 x sorted by expert in token
+        # tiles, tile_expert int32 [m / tile], w [E, n, k], 128x128 w_scale [E, ...]
+        self._decode_call(x, x_scale, w, w_scale, False, None, out, ws_floats, tiles, config,
+                          128, splits, ctas_per_sm, False, False, False, tile_expert)
+
+    def _decode_call(self, x, x_scale, w, w_scale, per_row, bias, out, ws_floats, tiles, config,
+                     rows, splits, ctas_per_sm, pdl, early_trigger, quant_first, tile_expert):
         dev = x.device.index
         _check(self._decode(_DECODE.pack(
             x.data_ptr(), 0 if x_scale is None else x_scale.data_ptr(), w.data_ptr(),
             w_scale.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-            _stream(dev), ws_floats, tiles, _IN[x.dtype],
-            0 if x_scale is None else x_scale.stride(0),
+            _stream(dev), 0 if tile_expert is None else tile_expert.data_ptr(), ws_floats,
+            tiles, _IN[x.dtype], 0 if x_scale is None else x_scale.stride(0),
             0 if x_scale is None else x_scale.stride(1), per_row,
             bias is not None and bias.dtype == torch.float32, _OUT[out.dtype], x.shape[0],
-            w.shape[0], w.shape[1], config, rows, splits, ctas_per_sm, pdl, early_trigger,
-            quant_first, dev)))
+            w.shape[-2], w.shape[-1], config, rows, splits, ctas_per_sm, pdl, early_trigger,
+            quant_first, 1 if tile_expert is None else w.shape[0], dev)))
 
 
 def _check(err) -> None:

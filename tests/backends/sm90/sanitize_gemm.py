@@ -13,7 +13,8 @@ allocator's pool.)
 Covers both sm90 paths as fp8linear.backends.sm90.plan.choose picks them (decode: swap-AB,
 split-K, fused quant, M <= 32; large M: quant kernel + TMA/wgmma GEMM), tails in M, N and K
 (partial last scale blocks), both weight-scale granularities, bias, bf16 and fp16 outputs,
-block_fp8_gemm and fp8_linear. Data and references are made on the CPU, so the GPU runs little
+block_fp8_gemm and fp8_linear; then the MoE layer (fused_moe: routing, the grouped expert
+GEMMs with and without split K, token tiles of 8 to 128) on MOE_CASES. Data and references are made on the CPU, so the GPU runs little
 besides our kernels (and the instrumented run stays short). Exit code 0 only if every result
 is right. --configs i,j runs the cases again with each large-M configuration i, j forced
 (plan.forced(gemm_config=i): the cluster and 128x192 configurations are not picked for shapes
@@ -34,7 +35,8 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))  # (tests/backends/sm90/ -> the checkout)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
@@ -53,6 +55,13 @@ CASES = [
     (65, 136, 272, False, torch.bfloat16, True),     # large-M path, smallest M
     (300, 264, 400, True, torch.float16, True),      # large-M path, M tail, per-row
     (1000, 392, 1040, False, torch.bfloat16, False), # large-M path, several tiles
+]
+# MoE layers (M, experts, top_k, hidden, intermediate, dtype), checked against moe_reference
+MOE_CASES = [
+    (1, 8, 2, 256, 128, torch.bfloat16),
+    (5, 16, 4, 208, 256, torch.float16),
+    (40, 4, 2, 384, 128, torch.bfloat16),
+    (300, 8, 2, 256, 128, torch.bfloat16),
 ]
 QUICK = [0, 2, 5, 6, 7]   # racecheck is slow on warp-specialized kernels: fewer cases
 # decode plans forced for the decode cases under --configs all (plan.forced pieces)
@@ -111,6 +120,25 @@ def run_case(i, m, n, k, per_row, dtype, with_bias, dev="cuda"):
     return errs
 
 
+def run_moe_case(i, m, e, top_k, h, inter, dtype, dev="cuda"):
+    g = torch.Generator().manual_seed(2000 + i)
+    x = torch.randn(m, h, generator=g).to(dtype)
+    experts = []
+    for n, k in ((2 * inter, h), (h, inter)):
+        ws, ss = zip(*(fp8linear.quantize_weight(0.05 * torch.randn(n, k, generator=g))
+                       for _ in range(e)))
+        experts += [torch.stack(ws), torch.stack(ss)]
+    ids = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(m)])
+    wts = torch.softmax(torch.randn(m, top_k, generator=g), 1)
+    ref = fp8linear.moe_reference(x, *experts, wts, ids).double()
+    out = fp8linear.fused_moe(x.to(dev), *(t.to(dev) for t in experts), wts.to(dev),
+                              ids.to(dev)).double().cpu()
+    if not torch.isfinite(out).all():
+        return [f"fused_moe: {int((~torch.isfinite(out)).sum())} NaN/inf outputs"]
+    rel = float((out - ref).norm() / ref.norm())
+    return [f"fused_moe: rel err {rel:.3e} against moe_reference"] if rel > 1e-3 else []
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help=f"only cases {QUICK} (for racecheck)")
@@ -160,6 +188,16 @@ def main(argv=None) -> int:
                       f"{str(dtype).split('.')[-1]} bias={with_bias} "
                       f"plan={plan_of(m, n, k) if a.device == 'cuda' else '-'} "
                       f"{time.time() - t:.1f}s {status}", flush=True)
+    for i, case in enumerate(MOE_CASES):
+        if a.quick and i % 2:
+            continue
+        t = time.time()
+        errs = run_moe_case(i, *case, dev=a.device)
+        fails += bool(errs)
+        m, e, top_k, h, inter, dtype = case
+        print(f"moe case {i}: M={m} E={e} top_k={top_k} H={h} I={inter} "
+              f"{str(dtype).split('.')[-1]} {time.time() - t:.1f}s "
+              f"{'ok' if not errs else 'FAIL ' + '; '.join(errs)}", flush=True)
     print(f"sanitize_gemm: {'ALL OK' if not fails else f'{fails} FAILED'} "
           f"({time.time() - t0:.1f}s)", flush=True)
     return 1 if fails else 0

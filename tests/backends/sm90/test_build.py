@@ -222,7 +222,7 @@ def test_repo_sources_are_found():
     assert build.source_dir() == REPO / "csrc"
     assert [p.relative_to(REPO / "csrc").as_posix()
             for p in build.translation_units(build.source_dir())] == \
-        ["capi.cpp", "sm90/decode.cu", "sm90/gemm.cu", "sm90/quant.cu"]
+        ["capi.cpp", "sm90/decode.cu", "sm90/gemm.cu", "sm90/moe.cu", "sm90/quant.cu"]
 
 
 def _standalone_build_module(root: Path):

@@ -31,7 +31,17 @@ def script_env():
 def test_sanitize_script_passes_right_results(script_env, capsys):
     assert S.main(["--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert out.count(" ok\n") == len(S.CASES) and "ALL OK" in out and "FAIL" not in out
+    assert out.count(" ok\n") == len(S.CASES) + len(S.MOE_CASES)
+    assert out.count("\nmoe case ") == len(S.MOE_CASES) and "ALL OK" in out and "FAIL" not in out
+
+
+def test_sanitize_script_fails_wrong_moe_results(script_env, capsys, monkeypatch):
+    real = fp8linear.fused_moe
+    monkeypatch.setattr(fp8linear, "fused_moe", lambda *a: real(*a) * 1.01)
+    assert S.main(["--device", "cpu", "--quick"]) == 1
+    fails = [line for line in capsys.readouterr().out.splitlines() if "moe case" in line]
+    assert len(fails) == 2 and all(" FAIL fused_moe: rel err " in line and
+                                   line.endswith(" against moe_reference") for line in fails)
 
 
 @pytest.mark.parametrize("broken", ["block_fp8_gemm", "fp8_linear"])

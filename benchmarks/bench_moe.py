@@ -1,0 +1,188 @@
+"""Block-FP8 MoE layer: fp8linear's fused_moe against vLLM's fused-MoE kernels, on one GPU.
+
+One point = (model, M). Every method runs the whole expert part of a layer (activation
+quantization, gate_up, SiLU-and-mul, down, the top-k weighted sum) from bf16 tokens and
+routing to bf16 output. Each is timed as a CUDA graph of LAUNCHES calls, each call routed by
+its own uniform-random top-k ids (the same ids for every method), the methods' graphs
+replayed in turn (benchmarks/common.py), median over replays.
+
+Floor of a point = max(bytes of the experts its calls touch / read bandwidth, FLOPs / peak):
+the read bandwidth and the peak (our dense GEMM at 8192 x 8192 x 4096) are measured in the
+same run.
+
+    python benchmarks/bench_moe.py --out results.json [--models qwen3_30b_a3b,...] [--ms 1,4]
+
+Methods: fp8linear_moe (fp8linear.fused_moe); vllm_triton_moe (vLLM's Triton fused MoE,
+torch.ops.vllm.fused_experts, with its tuned config for the shape and GPU where vLLM ships
+one, else its default: the row's `config` says which). Needs vLLM for the latter.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+import common as C
+
+MODELS = {  # experts, top_k, hidden, expert intermediate
+    "qwen3_30b_a3b": (128, 8, 2048, 768),
+    "qwen3_235b_a22b": (128, 8, 4096, 1536),
+    "deepseek_v3": (256, 8, 7168, 2048),
+    "mixtral_8x7b": (8, 2, 4096, 14336),
+}
+MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+LAUNCHES = 16
+T0 = time.time()
+
+
+def log(*a):
+    print(f"[{time.time() - T0:7.1f}s]", *a, flush=True)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--ms", default=",".join(map(str, MS)))
+    p.add_argument("--methods", default="fp8linear_moe,vllm_triton_moe")
+    p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--out", required=True)
+    return p.parse_args(argv)
+
+
+def random_experts(e: int, n: int, k: int, gen: torch.Generator):
+    """[E, N, K] fp8 with 128x128 block scales, made expert by expert (bounded memory)."""
+    w = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device="cuda")
+    for i in range(e):
+        w[i] = (torch.randn(n, k, device="cuda", generator=gen) * 100).clamp(-448, 448).to(
+            torch.float8_e4m3fn)  # (past 448 the cast gives NaN)
+    s = torch.rand(e, cdiv(n, 128), cdiv(k, 128), device="cuda", generator=gen) * 1e-4
+    return w, s + 1e-5
+
+
+def routings(m: int, e: int, k: int, gen: torch.Generator):
+    """LAUNCHES uniform-random top-k routings: (ids int32 [M, k], softmax weights fp32)."""
+    out = []
+    for _ in range(LAUNCHES):
+        logits = torch.rand(m, e, device="cuda", generator=gen)
+        w, ids = torch.topk(logits, k, dim=1)
+        out.append((ids.to(torch.int32).contiguous(), torch.softmax(w, 1).contiguous()))
+    return out
+
+
+def vllm_config(e: int, inter: int) -> str:
+    from vllm.model_executor.layers.fused_moe import fused_moe as fm
+    name = fm.get_config_file_name(e, inter, "fp8_w8a8", [128, 128])
+    path = os.path.join(os.path.dirname(fm.__file__), "configs", name)
+    return f"tuned: {name}" if os.path.exists(path) else "default (no tuned file for this shape)"
+
+
+def make_call(method, x, w13, s13, w2, s2, routes):
+    import fp8linear
+    if method == "fp8linear_moe":
+        return lambda i: fp8linear.fused_moe(x, w13, s13, w2, s2, routes[i][1], routes[i][0])
+    if method == "vllm_triton_moe":
+        return lambda i: torch.ops.vllm.fused_experts(
+            hidden_states=x, w1=w13, w2=w2, topk_weights=routes[i][1], topk_ids=routes[i][0],
+            activation="silu", use_fp8_w8a8=True, w1_scale=s13, w2_scale=s2,
+            block_shape=[128, 128])
+    raise ValueError(f"unknown method {method}")
+
+
+def peak_tflops() -> float:
+    import fp8linear
+    m = n = 8192
+    k = 4096
+    a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+    a_s = torch.rand(m, k // 128, device="cuda") + 0.5
+    w = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+    w_s = torch.rand(n // 128, k // 128, device="cuda") + 0.5
+    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    g = C.capture_graph(lambda i: fp8linear.block_fp8_gemm(a, a_s, w, w_s, out=out), 4)
+    us = C.median(C.time_graphs_interleaved({"g": g}, 10)["g"]) / 4
+    return 2 * m * n * k / (us * 1e-6) / 1e12
+
+
+def _version(dist: str) -> str | None:
+    try:
+        import importlib.metadata as md
+        return md.version(dist)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    methods = args.methods.split(",")
+    if "vllm_triton_moe" in methods:
+        import vllm.model_executor.layers.fused_moe.fused_moe  # noqa: F401  (registers the op)
+    header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "cuda": torch.version.cuda, "date": C.utc_now(), "command": C.command_line(),
+              "git_commit": C.git_commit(), "launches_per_graph": LAUNCHES,
+              "vllm": _version("vllm")}
+    header |= C.measure_read_bandwidth()
+    header["peak_tflops"] = peak_tflops()
+    log(f"read {header['read_bw_gbps']:.0f} GB/s, peak {header['peak_tflops']:.0f} TFLOPS")
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for model in args.models.split(","):
+        e, k, h, inter = MODELS[model]
+        w13, s13 = random_experts(e, 2 * inter, h, gen)
+        w2, s2 = random_experts(e, h, inter, gen)
+        config = vllm_config(e, inter) if "vllm_triton_moe" in methods else ""
+        expert_bytes = 3 * inter * h
+        for m in map(int, args.ms.split(",")):
+            x = torch.randn(m, h, device="cuda", generator=gen).to(torch.bfloat16)
+            routes = routings(m, e, k, gen)
+            touched = sum(ids.unique().numel() for ids, _ in routes) / LAUNCHES
+            floor = max(touched * expert_bytes / (header["read_bw_gbps"] * 1e3),
+                        2 * m * k * expert_bytes / (header["peak_tflops"] * 1e6))
+            graphs, outs = {}, {}
+            for meth in methods:
+                call = make_call(meth, x, w13, s13, w2, s2, routes)
+                outs[meth] = call(0)
+                graphs[meth] = C.capture_graph(call, LAUNCHES)
+            base = outs[methods[0]].float()
+            times = C.time_graphs_interleaved(graphs, args.replays)
+            for meth in methods:
+                us = C.median(times[meth]) / LAUNCHES
+                err = float((outs[meth].float() - base).norm() / base.norm())
+                rows.append({"method": meth, "model": model, "E": e, "top_k": k, "H": h,
+                             "I": inter, "M": m, "us": us, "floor_us": floor,
+                             "pct_floor": 100 * floor / us, "experts_touched": touched,
+                             "config": config if meth.startswith("vllm") else "fp8linear plan",
+                             "rel_diff_vs_first": err})
+                log(f"{model:16s} M={m:5d} {meth:16s} {us:9.1f} us  floor {floor:8.1f} "
+                      f"({100 * floor / us:5.1f}%)  diff {err:.1e}")
+            del graphs, outs
+            C.write_json(args.out, header, rows)
+        del w13, s13, w2, s2
+        torch.cuda.empty_cache()
+    print(summary(rows, methods))
+    return 0
+
+
+def summary(rows, methods) -> str:
+    """Per model and M: each method's µs and its speedup over the best vLLM method."""
+    lines = ["model            M      " + "  ".join(f"{m:>16s}" for m in methods)
+             + "  fp8linear vs best vLLM"]
+    keys = sorted({(r["model"], r["M"]) for r in rows}, key=lambda t: (t[0], t[1]))
+    for model, m in keys:
+        by = {r["method"]: r for r in rows if r["model"] == model and r["M"] == m}
+        vllm = [by[x]["us"] for x in by if x.startswith("vllm")]
+        ratio = f"{min(vllm) / by['fp8linear_moe']['us']:.2f}x" if vllm and \
+            "fp8linear_moe" in by else ""
+        lines.append(f"{model:16s} {m:5d}  " + "  ".join(
+            f"{by[x]['us']:9.1f} ({by[x]['pct_floor']:3.0f}%)" if x in by else f"{'':>16s}"
+            for x in methods) + f"  {ratio}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

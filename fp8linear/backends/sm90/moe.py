@@ -1,0 +1,106 @@
+"""The Hopper MoE layer: the grouped expert GEMM (csrc/sm90/moe.cu: the decode kernel over
+every active expert's weights in one launch) with the Triton kernels of the stages between
+(backends/triton/moe.py), in fp8linear.moe_routing's pipeline.
+
+``moe_plan`` picks the token tile and each GEMM's K splits by ordered rules (ids and reasons
+below, measurements in docs/tuning.md), from the shapes alone: routing is not known on the
+host, so the rules size for uniformly routed tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ...moe_routing import Routing, Stages, sorted_moe
+from ...quant import BLOCK, cdiv
+from ..triton import moe as triton_moe
+from . import library
+from .tiles import DECODE_TILES
+
+ROWS = 128  # weight rows a CTA owns (moe.cu instantiates 128-row CTAs only)
+TWO_PER_SM_MAX_BT = 32  # moe.cu: two CTAs an SM for token tiles <= 32
+
+
+@dataclass(frozen=True)
+class GroupedGemmPlan:
+    splits: int       # K ranges, reduced in split order (deterministic)
+    ctas_per_sm: int  # 1, or 2 (token tiles <= 32)
+
+
+@dataclass(frozen=True)
+class MoePlan:
+    config: int              # token tile DECODE_TILES[config]
+    gate_up: GroupedGemmPlan
+    down: GroupedGemmPlan
+    rule: str = dataclasses.field(default="", compare=False)
+
+    @property
+    def token_tile(self) -> int:
+        return DECODE_TILES[self.config]
+
+
+def expected_active(slots: int, experts: int) -> float:
+    """Experts that uniformly random routing of ``slots`` (token, slot) pairs touches."""
+    return experts * (1.0 - (1.0 - 1.0 / experts) ** slots)
+
+
+@functools.lru_cache(maxsize=4096)
+def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int) -> MoePlan:
+    slots = m * top_k
+    active = expected_active(slots, experts)
+    # moe-token-tile: the smallest tile that holds an active expert's expected tokens, so
+    # that few tokens an expert pad no tensor-core work up to 64 rows (128 at most)
+    per_expert = math.ceil(slots / active - 1e-3)
+    config = next((i for i, t in enumerate(DECODE_TILES) if t >= per_expert),
+                  len(DECODE_TILES) - 1)
+    bt = DECODE_TILES[config]
+    tiles = active * cdiv(per_expert, bt)
+
+    def gemm(n: int, k: int) -> GroupedGemmPlan:
+        # moe-split-fill: split K until the expected CTAs fill the SMs' slots in one wave,
+        # keeping >= 2 K blocks a split (the reduction pass costs more below that)
+        num_kb = cdiv(k, BLOCK)
+        ctas = 2 if bt <= TWO_PER_SM_MAX_BT else 1
+        grid = max(1.0, cdiv(n, ROWS) * tiles)
+        splits = max(1, min(int(ctas * sms // grid), num_kb // 2))
+        return GroupedGemmPlan(splits, ctas)
+
+    return MoePlan(config, gemm(2 * inter, hidden), gemm(hidden, inter),
+                   "moe-token-tile+moe-split-fill")
+
+
+def supported(hidden: int, inter: int, block_scales: bool) -> bool:
+    # TMA rows of 16 bytes (K % 16, N % 8), SiLU-and-mul + quant's whole 128-channel groups,
+    # and 128x128 weight scales (moe.cu reads no per-row scales)
+    return hidden % 16 == 0 and inter % BLOCK == 0 and block_scales
+
+
+def _grouped_gemm(plan: MoePlan):
+    def run(a, a_scale, w, w_scale, r: Routing, out, which: int):
+        g = plan.gate_up if which == 0 else plan.down
+        tiles = cdiv(w.shape[1], ROWS) * r.tile_expert.shape[0]
+        ws = g.splits * tiles * r.token_tile * ROWS if g.splits > 1 else 0
+        library.load().grouped(a, a_scale, w, w_scale, out, r.tile_expert, ws, tiles,
+                               plan.config, g.splits, g.ctas_per_sm)
+    return run
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids):
+    m, hidden = x.shape
+    experts, two_i, _ = w13.shape
+    plan = moe_plan(m, topk_ids.shape[1], experts, hidden, two_i // 2, _sms(x.device.index))
+    stages = Stages(triton_moe.route, triton_moe.gather_quant, _grouped_gemm(plan),
+                    triton_moe.combine)
+    return sorted_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids,
+                      plan.token_tile, stages)
+
+

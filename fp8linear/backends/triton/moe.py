@@ -1,0 +1,131 @@
+"""The MoE layer's stages around the grouped GEMMs as Triton kernels, one launch each:
+fp8linear.moe_routing's ``route``, the gather + quantization of the sorted rows, and
+``combine`` (its torch versions define the results; tests check these against them).
+
+- ``route``: one program. Pass 1 counts each expert's slots, pass 2 walks the slots in order,
+  128 at a time, and gives each the next row of its expert (its rank among the chunk's slots
+  of that expert plus the rows earlier chunks took): the sorted order is by expert, then
+  slot, whatever the GPU. Then each tile's expert, from the experts' padded row ranges.
+- ``gather_quant``: sorted row r quantizes token row_token[r] (padding rows: zeros), with
+  quant_group, the quant kernel's bit-exact numerics.
+- ``combine``: out[t] = sum over slots j, in order, of w[t, j] * y[slot_row[t, j]], in fp32.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...moe_routing import Routing, max_tiles
+from ...quant import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX, cdiv
+from .quant import needs_round_first, quant_group
+
+SLOTS_PER_STEP = 128
+
+
+@triton.jit
+def _route_kernel(ids_ptr, tile_expert_ptr, row_token_ptr, slot_row_ptr, S, TOP_K,
+                  E: tl.constexpr, BLOCK_E: tl.constexpr, TILE: tl.constexpr, TILES,
+                  BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr):
+    experts = tl.arange(0, BLOCK_E)
+    lanes = tl.arange(0, BLOCK_S)
+    # pass 1: slots per expert
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for s0 in range(0, S, BLOCK_S):
+        ids = tl.load(ids_ptr + s0 + lanes, mask=s0 + lanes < S, other=-1).to(tl.int32)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + TILE - 1) // TILE * TILE
+    ends = tl.cumsum(padded, axis=0)
+    cursor = ends - padded  # the next free row of each expert
+    # every sorted row starts as padding; slots then claim theirs (after the barrier)
+    for r0 in range(0, TILES * TILE, BLOCK_S):
+        tl.store(row_token_ptr + r0 + lanes, tl.full([BLOCK_S], -1, tl.int64),
+                 mask=r0 + lanes < TILES * TILE)
+    tl.debug_barrier()
+    # pass 2: in slot order, a slot's row = its expert's cursor + its rank in this chunk
+    for s0 in range(0, S, BLOCK_S):
+        slot = s0 + lanes
+        ids = tl.load(ids_ptr + slot, mask=slot < S, other=-1).to(tl.int32)
+        hit = (ids[:, None] == experts[None, :]).to(tl.int32)       # [BLOCK_S, BLOCK_E]
+        before = tl.cumsum(hit, axis=0) - hit                         # same expert, earlier
+        row = tl.sum((before + cursor[None, :]) * hit, axis=1)
+        tl.store(slot_row_ptr + slot, row.to(tl.int64), mask=slot < S)
+        tl.store(row_token_ptr + row, (slot // TOP_K).to(tl.int64), mask=slot < S)
+        cursor += tl.sum(hit, axis=0)
+    # tile t's expert: the first whose padded rows end after the tile's first row
+    for t0 in range(0, TILES, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        past = (ends[None, :] <= (t * TILE)[:, None]) & (experts[None, :] < E)
+        e = tl.sum(past.to(tl.int32), axis=1)
+        tl.store(tile_expert_ptr + t, tl.where(e < E, e, -1), mask=t < TILES)
+
+
+def route(topk_ids: torch.Tensor, num_experts: int, token_tile: int) -> Routing:
+    """moe_routing.route in one launch (topk_ids contiguous int32/int64 [M, k])."""
+    m, k = topk_ids.shape
+    slots = m * k
+    tiles = max_tiles(slots, num_experts, token_tile)
+    dev = topk_ids.device
+    tile_expert = torch.empty(tiles, dtype=torch.int32, device=dev)
+    row_token = torch.empty(tiles * token_tile, dtype=torch.int64, device=dev)
+    slot_row = torch.empty(m, k, dtype=torch.int64, device=dev)
+    block_e = triton.next_power_of_2(num_experts)
+    _route_kernel[(1,)](topk_ids, tile_expert, row_token, slot_row, slots, k, num_experts,
+                        block_e, token_tile, tiles, SLOTS_PER_STEP, 32,
+                        num_warps=8 if block_e >= 256 else 4)
+    return Routing(token_tile, tile_expert, row_token, slot_row)
+
+
+@triton.jit
+def _gather_quant_kernel(x_ptr, row_token_ptr, q_ptr, s_ptr, s_ld, K: tl.constexpr,
+                         CG: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
+                         ROUND_FIRST: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * CG + tl.arange(0, CG)
+    cols = g[:, None] * 128 + tl.arange(0, 128)[None, :]
+    mask = cols < K
+    token = tl.load(row_token_ptr + row)
+    x = tl.load(x_ptr + tl.maximum(token, 0) * K + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.where(token >= 0, x, 0.0)  # (padding rows: zeros)
+    q, s = quant_group(x, FP8_MAX_C, EPS, ROUND_FIRST)
+    tl.store(q_ptr + row * K + cols, q, mask=mask)
+    tl.store(s_ptr + g.to(tl.int64) * s_ld + row, tl.where(token >= 0, s, 0.0),
+             mask=g * 128 < K)
+
+
+def gather_quant(x: torch.Tensor, r: Routing):
+    """(fp8 [R, K], scale [R, Kb] as a view of the token-minor [Kb, ld]) of the sorted rows."""
+    k = x.shape[1]
+    kb = cdiv(k, BLOCK)
+    q = torch.empty(r.rows, k, dtype=FP8_DTYPE, device=x.device)
+    scale_t = torch.empty(kb, cdiv(r.rows, 4) * 4, dtype=torch.float32, device=x.device)
+    cg = min(4, triton.next_power_of_2(kb))
+    _gather_quant_kernel[(r.rows, cdiv(kb, cg))](
+        x, r.row_token, q, scale_t, scale_t.shape[1], k, cg, FP8_MAX, AMAX_EPS,
+        needs_round_first(x.device), num_warps=4)
+    return q, scale_t[:, :r.rows].t()
+
+
+@triton.jit
+def _combine_kernel(y_ptr, slot_row_ptr, w_ptr, out_ptr, H: tl.constexpr, TOP_K: tl.constexpr,
+                    BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):  # slot 0 first: the same sum every run
+        row = tl.load(slot_row_ptr + t * TOP_K + j)
+        w = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
+        acc += w * tl.load(y_ptr + row * H + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def combine(y: torch.Tensor, r: Routing, topk_weights: torch.Tensor,
+            dtype: torch.dtype) -> torch.Tensor:
+    m, k = r.slot_row.shape
+    h = y.shape[1]
+    out = torch.empty(m, h, dtype=dtype, device=y.device)
+    block_h = min(1024, triton.next_power_of_2(h))
+    _combine_kernel[(m, cdiv(h, block_h))](y, r.slot_row, topk_weights, out, h, k, block_h,
+                                           num_warps=4)
+    return out

@@ -1,0 +1,122 @@
+"""The stages of a block-FP8 MoE layer around its two grouped GEMMs, for any backend.
+
+The (token, slot) pairs are sorted by expert into token tiles of ``token_tile`` rows, one
+expert a tile (``route``); each grouped GEMM then runs every tile against its expert's
+weights in one launch. Order inside an expert: by token, then slot (stable), so a layer's
+result never depends on the run. Everything here is fixed-shape tensor work with no host
+sync (CUDA graphs, torch.compile): the sizes are bounds that depend only on M, top-k, E and
+the tile.
+
+    x -> gather by row_token, quantize -> grouped GEMM (w13) -> SiLU-and-mul + quantize
+      -> grouped GEMM (w2, fp32) -> out[t] = sum_j topk_weights[t, j] * y[slot_row[t, j]]
+
+The torch functions here define each stage; a backend brings its own (``Stages``):
+backends/triton/moe.py has them as one kernel each.
+
+The numerics are moe.py's (``moe_reference``): each row is computed on its own, so sorting
+and padding change no result.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .quant import cdiv, quantize_activation
+from .swiglu_quant import silu_mul_quant
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where each (token, slot) goes in the expert-sorted rows."""
+    token_tile: int
+    tile_expert: torch.Tensor  # int32 [max_tiles]: the expert of each tile, -1: unused
+    row_token: torch.Tensor    # int64 [max_tiles * token_tile]: source token, -1: padding
+    slot_row: torch.Tensor     # int64 [M, top_k]: the sorted row of each (token, slot)
+
+    @property
+    def rows(self) -> int:
+        return self.row_token.shape[0]
+
+
+def max_tiles(slots: int, num_experts: int, token_tile: int) -> int:
+    """Tiles the sorted rows may need: each active expert pads its rows to whole tiles, so at
+    most cdiv(slots, tile) full ones plus one partial tile per active expert."""
+    return cdiv(slots, token_tile) + min(num_experts, slots)
+
+
+def route(topk_ids: torch.Tensor, num_experts: int, token_tile: int) -> Routing:
+    """Sorts the (token, slot) pairs of ``topk_ids`` [M, k] by expert into padded tiles."""
+    m, k = topk_ids.shape
+    dev = topk_ids.device
+    ids = topk_ids.reshape(-1).long()
+    slots = ids.numel()
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev)
+    counts.scatter_add_(0, ids, torch.ones_like(ids))  # (integer adds: exact in any order)
+    padded = cdiv_t(counts, token_tile) * token_tile
+    ends = torch.cumsum(padded, 0)
+    order = torch.argsort(ids, stable=True)            # slots by expert, then by slot index
+    sorted_ids = ids[order]
+    first = torch.cumsum(counts, 0) - counts           # each expert's first slot in `order`
+    rank = torch.arange(slots, device=dev) - first[sorted_ids]
+    row = (ends - padded)[sorted_ids] + rank
+    slot_row = torch.empty(slots, dtype=torch.long, device=dev).scatter_(0, order, row)
+    tiles = max_tiles(slots, num_experts, token_tile)
+    row_token = torch.full((tiles * token_tile,), -1, dtype=torch.long, device=dev)
+    row_token.scatter_(0, row, order // k)
+    # tile t starts at row t * tile: its expert is the first whose padded rows end after that
+    starts = torch.arange(tiles, device=dev) * token_tile
+    expert = torch.searchsorted(ends, starts, right=True)
+    tile_expert = torch.where(expert < num_experts, expert, -1).to(torch.int32)
+    return Routing(token_tile, tile_expert, row_token, slot_row.view(m, k))
+
+
+def cdiv_t(a: torch.Tensor, b: int) -> torch.Tensor:
+    return (a + (b - 1)) // b
+
+
+def combine(y: torch.Tensor, r: Routing, topk_weights: torch.Tensor,
+            dtype: torch.dtype) -> torch.Tensor:
+    """out [M, H] = sum over slots, slot 0 first, of topk_weight * y[row], in fp32."""
+    m, k = r.slot_row.shape
+    ys = y.index_select(0, r.slot_row.reshape(-1)).view(m, k, -1)
+    w = topk_weights.float()
+    out = ys[:, 0] * w[:, :1]
+    for j in range(1, k):  # fixed order: the result is the same run to run
+        out = torch.addcmul(out, ys[:, j], w[:, j:j + 1])
+    return out.to(dtype)
+
+
+def gather_quant(x: torch.Tensor, r: Routing):
+    """The sorted rows' activations quantized: (fp8 [R, K], scale [R, Kb]); padding rows are
+    zeros with scale 0."""
+    pad = (r.row_token < 0)[:, None]
+    xs = x.index_select(0, r.row_token.clamp(min=0)).masked_fill(pad, 0)
+    q, scale = quantize_activation(xs)
+    return q, scale.masked_fill(pad, 0)
+
+
+@dataclass(frozen=True)
+class Stages:
+    """A backend's implementations of the stages (the torch ones below: TORCH)."""
+    route: Callable          # (topk_ids, num_experts, token_tile) -> Routing
+    gather_quant: Callable   # (x, Routing) -> (fp8 [R, K], scale [R, Kb], any strides)
+    grouped_gemm: Callable   # (a, a_scale, w [E, N, K], w_scale, Routing, out, which) -> None
+    combine: Callable        # (y, Routing, topk_weights, dtype) -> out [M, H]
+
+
+def sorted_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, token_tile: int,
+               stages: Stages):
+    """The MoE layer through expert-sorted rows (inputs validated by the caller); the
+    grouped GEMMs write bf16/fp16 gate_up (``which`` 0) and fp32 down outputs (1)."""
+    m, h = x.shape
+    num_experts, two_i, _ = w13.shape
+    r = stages.route(topk_ids, num_experts, token_tile)
+    xq, x_scale = stages.gather_quant(x, r)
+    gate_up = torch.empty(r.rows, two_i, dtype=x.dtype, device=x.device)
+    stages.grouped_gemm(xq, x_scale, w13, w13_scale, r, gate_up, 0)
+    hq, h_scale_t = silu_mul_quant(gate_up)
+    y = torch.empty(r.rows, h, dtype=torch.float32, device=x.device)
+    stages.grouped_gemm(hq, h_scale_t[:, :r.rows].t(), w2, w2_scale, r, y, 1)
+    return stages.combine(y, r, topk_weights, x.dtype)

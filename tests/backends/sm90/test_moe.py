@@ -1,0 +1,125 @@
+"""backends/sm90/moe.py: its plan rules (moe-token-tile, moe-split-fill) on the CPU; on the
+GPU, the MoE layer on the grouped expert GEMMs against the fp64 formulation of the same
+dequantized math, NaN-poisoned scratch, run to run, and under a CUDA graph."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fp64_reference as R
+from fp8linear import quantize_activation, quantize_weight
+from fp8linear.backends import dispatch
+from fp8linear.backends.sm90.moe import expected_active, moe_plan
+from fp8linear.moe import fused_moe, moe_reference
+
+MODELS = {  # experts, top_k, hidden, expert intermediate
+    "qwen3_30b_a3b": (128, 8, 2048, 768), "qwen3_235b_a22b": (128, 8, 4096, 1536),
+    "deepseek_v3": (256, 8, 7168, 2048), "mixtral_8x7b": (8, 2, 4096, 14336)}
+
+
+def test_expected_active_experts():
+    assert expected_active(1, 128) == pytest.approx(1.0)
+    assert expected_active(8, 128) == pytest.approx(7.79, abs=0.01)
+    assert expected_active(100_000, 8) == pytest.approx(8.0)
+
+
+@pytest.mark.parametrize("model,m,tile", [
+    ("qwen3_30b_a3b", 1, 8), ("qwen3_30b_a3b", 64, 8), ("qwen3_30b_a3b", 256, 16),
+    ("qwen3_30b_a3b", 4096, 128), ("mixtral_8x7b", 1, 8), ("mixtral_8x7b", 16, 8),
+    ("mixtral_8x7b", 64, 16), ("mixtral_8x7b", 1024, 128), ("deepseek_v3", 16, 8)])
+def test_token_tile_holds_an_experts_expected_tokens(model, m, tile):
+    e, k, h, i = MODELS[model]
+    plan = moe_plan(m, k, e, h, i, 132)
+    assert plan.token_tile == tile and "moe-token-tile" in plan.rule
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 256, 1024, 4096])
+def test_splits_fill_one_wave_with_two_k_blocks_a_split(model, m):
+    e, k, h, i = MODELS[model]
+    plan = moe_plan(m, k, e, h, i, 132)
+    for g, n, kdim in ((plan.gate_up, 2 * i, h), (plan.down, h, i)):
+        assert g.ctas_per_sm == (2 if plan.token_tile <= 32 else 1)
+        assert 1 <= g.splits <= max(1, -(-kdim // 128) // 2)
+
+
+def test_decode_sizes_split_k_where_the_experts_leave_sms_idle():
+    # Qwen3-30B-A3B at M = 1: 8 experts x 12 row blocks = 96 CTAs for 264 slots -> 2 splits
+    plan = moe_plan(1, 8, 128, 2048, 768, 132)
+    assert (plan.gate_up.splits, plan.down.splits) == (2, 2)
+
+
+# ------------------------------------------------------------------------------ GPU
+GPU_CASES = [  # (M, E, top_k, H, I, routing, dtype)
+    (1, 8, 2, 256, 128, "random", torch.bfloat16),          # M = 1
+    (1, 128, 8, 512, 256, "random", torch.bfloat16),        # decode of a wide MoE
+    (5, 16, 4, 208, 128, "random", torch.float16),          # H off the 128 grid
+    (40, 8, 2, 384, 256, "one_expert", torch.bfloat16),     # one expert takes every token
+    (24, 32, 2, 256, 384, "few", torch.float16),            # most experts get no token
+    (64, 16, 4, 1024, 256, "random", torch.bfloat16),       # split K
+    (300, 8, 2, 512, 512, "random", torch.bfloat16),        # many tokens an expert, 128-tiles
+]
+
+
+def _gpu_experts(num, n, k, gen):
+    ws, ss = zip(*(quantize_weight(R.random_matrix(n, k, gen, spread=1.0) * 0.05)
+                   for _ in range(num)))
+    return torch.stack(ws).cuda(), torch.stack(ss).cuda()
+
+
+def _ids(m, k, e, gen, routing):
+    if routing == "one_expert":
+        return (torch.arange(k) + 3).repeat(m, 1)
+    if routing == "few":
+        return torch.stack([torch.randperm(3, generator=gen)[:k] for _ in range(m)])
+    return torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(m)])
+
+
+def _poison_cache():
+    # the layer's scratch (sorted rows, GEMM outputs) comes from torch's caching allocator:
+    # fill the memory it will hand out with NaN, so any row the kernels fail to write shows
+    torch.cuda.empty_cache()
+    torch.full((64 << 20,), float("nan"), device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,e,top_k,h,inter,routing,dtype", GPU_CASES)
+def test_fused_moe_matches_fp64(m, e, top_k, h, inter, routing, dtype):
+    assert dispatch.moe_backend(torch.device("cuda"), h, inter, True) == "sm90"
+    gen = torch.Generator().manual_seed(m * 131 + e)
+    x = R.random_matrix(m, h, gen, spread=1.0).to(dtype).cuda()
+    w13, s13 = _gpu_experts(e, 2 * inter, h, gen)
+    w2, s2 = _gpu_experts(e, h, inter, gen)
+    ids = _ids(m, top_k, e, gen, routing).cuda()
+    wts = torch.softmax(torch.randn(m, top_k, generator=gen), 1).cuda()
+    _poison_cache()
+    out = fused_moe(x, w13, s13, w2, s2, wts, ids)
+    xq, xs = quantize_activation(x.cpu())
+    ref = R.moe(xq, xs, dtype, *(t.cpu() for t in (w13, s13, w2, s2, wts, ids)))
+    assert out.dtype == dtype and out.shape == (m, h) and torch.isfinite(out).all()
+    assert R.rel_err(out.cpu(), ref) <= 2e-3
+    # the same numerics as the reference path, up to the GEMMs' accumulation order
+    assert R.rel_err(out, moe_reference(x, w13, s13, w2, s2, wts, ids)) <= 1e-3
+    _poison_cache()
+    again = fused_moe(x, w13, s13, w2, s2, wts, ids)
+    assert torch.equal(out.view(torch.int16), again.view(torch.int16))  # run to run
+
+
+@pytest.mark.gpu
+def test_fused_moe_under_a_cuda_graph_follows_new_routing():
+    gen = torch.Generator().manual_seed(3)
+    m, e, k, h, inter = 4, 32, 4, 256, 256
+    x = R.random_matrix(m, h, gen, spread=1.0).to(torch.bfloat16).cuda()
+    w13, s13 = _gpu_experts(e, 2 * inter, h, gen)
+    w2, s2 = _gpu_experts(e, h, inter, gen)
+    ids = _ids(m, k, e, gen, "random").cuda()
+    wts = torch.softmax(torch.randn(m, k, generator=gen), 1).cuda()
+    fused_moe(x, w13, s13, w2, s2, wts, ids)  # warm-up (plans, library load)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fused_moe(x, w13, s13, w2, s2, wts, ids)
+    for seed in range(3):
+        ids.copy_(_ids(m, k, e, torch.Generator().manual_seed(seed), "random"))
+        g.replay()
+        want = fused_moe(x, w13, s13, w2, s2, wts, ids)
+        assert torch.equal(out, want)

@@ -1,0 +1,88 @@
+"""backends/triton/moe.py: the MoE stages' Triton kernels against their torch definitions
+(fp8linear.moe_routing), on the CPU through Triton's interpreter and on the GPU."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/ (triton_interpreter)
+import triton_interpreter  # noqa: E402
+
+from fp8linear import moe_routing as mr  # noqa: E402
+from fp8linear.backends import reference  # noqa: E402
+from fp8linear.moe import moe_reference  # noqa: E402
+from fp8linear.quant import quantize_weight  # noqa: E402
+
+# (M, top_k, experts, token tile, routing); 200 x 2 slots: pass 2 over several 128-slot steps
+CASES = [(1, 8, 128, 8, "random"), (5, 3, 6, 8, "random"), (16, 2, 8, 16, "one_expert"),
+         (200, 2, 16, 32, "random"), (9, 4, 300, 8, "random")]
+
+
+def _ids(m, k, e, gen, routing):
+    if routing == "one_expert":
+        return (torch.arange(k) + 3).repeat(m, 1)
+    return torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(m)])
+
+
+def check_stages(m, k, e, tile, routing, device):
+    from fp8linear.backends.triton import moe as tm
+    gen = torch.Generator().manual_seed(m * 17 + e)
+    ids = _ids(m, k, e, gen, routing).to(torch.int32).to(device)
+    got, want = tm.route(ids, e, tile), mr.route(ids, e, tile)
+    for f in ("tile_expert", "row_token", "slot_row"):
+        assert torch.equal(getattr(got, f), getattr(want, f)), (f, getattr(got, f))
+    x = (torch.randn(m, 272, generator=gen) * 3).to(torch.bfloat16).to(device)
+    q, s = tm.gather_quant(x, got)
+    q0, s0 = mr.gather_quant(x, want)
+    assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
+    y = torch.randn(got.rows, 200, generator=gen).to(device)
+    w = torch.rand(m, k, generator=gen).to(device)
+    out, ref = tm.combine(y, got, w, torch.float32), mr.combine(y, want, w, torch.float32)
+    # (fp32 rounding of the same sum in the same order; the kernel may fuse multiply-adds)
+    assert torch.allclose(out, ref, rtol=1e-6, atol=1e-6), (out - ref).abs().max()
+
+
+def check_pipeline(device):
+    # the whole sorted layer on the Triton stages and the reference grouped GEMM
+    from fp8linear.backends.triton import moe as tm
+    gen = torch.Generator().manual_seed(4)
+    m, k, e, h, inter = 7, 2, 8, 256, 128
+    x = torch.randn(m, h, generator=gen).to(torch.bfloat16)
+    ws = [quantize_weight(torch.randn(n, kk, generator=gen) * 0.05)
+          for _ in range(e) for n, kk in ((2 * inter, h), (h, inter))]
+    w13, s13 = torch.stack([w for w, _ in ws[0::2]]), torch.stack([s for _, s in ws[0::2]])
+    w2, s2 = torch.stack([w for w, _ in ws[1::2]]), torch.stack([s for _, s in ws[1::2]])
+    ids = _ids(m, k, e, gen, "random")
+    wts = torch.softmax(torch.randn(m, k, generator=gen), 1)
+    stages = mr.Stages(tm.route, tm.gather_quant, reference.grouped_gemm, tm.combine)
+    args = [t.to(device) for t in (x, w13, s13, w2, s2, wts, ids)]
+    got = mr.sorted_moe(*args, 8, stages).cpu()
+    want = moe_reference(x, w13, s13, w2, s2, wts, ids)
+    assert (got.float() - want.float()).abs().max() <= 2 ** -8 * want.float().abs().max()
+
+
+@pytest.mark.skipif(triton_interpreter.interpreting(), reason="already interpreting")
+def test_triton_moe_stages_interpreted():
+    triton_interpreter.run(__file__)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+def test_triton_moe_stages_gpu(case):
+    check_stages(*case, device="cuda")
+
+
+@pytest.mark.gpu
+def test_triton_moe_pipeline_gpu():
+    check_pipeline("cuda")
+
+
+if __name__ == "__main__":
+    triton_interpreter.start()
+    for case in CASES:
+        check_stages(*case, device="cpu")
+    check_pipeline("cpu")
+    triton_interpreter.passed(len(CASES) + 1)

@@ -1,0 +1,92 @@
+"""fp8linear.moe_routing: the expert-sorted rows (route), the fixed-order combine, and the
+whole sorted pipeline on the reference grouped GEMM against moe_reference, bit for bit."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8linear import quantize_activation, quantize_weight
+from fp8linear.backends import reference
+from fp8linear.moe import moe_reference
+from fp8linear.moe_routing import combine, gather_quant, max_tiles, route, sorted_moe
+
+
+def _ids(m, k, e, gen, routing):
+    if routing == "one_expert":  # expert 3 takes every token (and experts 4.. the other slots)
+        return (torch.arange(k) + 3).repeat(m, 1)
+    if routing == "few":
+        return torch.randint(0, 2, (m, 1), generator=gen).repeat(1, k) * 0 + torch.arange(k)
+    return torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(m)])
+
+
+@pytest.mark.parametrize("m,k,e,tile,routing", [
+    (1, 8, 128, 8, "random"), (5, 3, 6, 8, "random"), (64, 8, 128, 16, "random"),
+    (33, 2, 8, 32, "random"), (40, 2, 8, 8, "one_expert"), (17, 2, 16, 64, "few"),
+    (300, 8, 16, 128, "random")])
+def test_route_places_every_slot_in_its_experts_tile(m, k, e, tile, routing):
+    gen = torch.Generator().manual_seed(m * 7 + k)
+    ids = _ids(m, k, e, gen, routing)
+    r = route(ids, e, tile)
+    assert r.tile_expert.dtype == torch.int32
+    assert r.rows == max_tiles(m * k, e, tile) * tile == r.tile_expert.numel() * tile
+    rows = r.slot_row.reshape(-1)
+    assert rows.unique().numel() == m * k                        # one row a slot
+    assert torch.equal(r.tile_expert[rows // tile].long(), ids.reshape(-1))  # its expert's tile
+    assert torch.equal(r.row_token[rows], torch.arange(m * k) // k)          # and its token
+    assert int((r.row_token >= 0).sum()) == m * k                # every other row is padding
+    # tiles: each used expert's tiles contiguous, ascending experts, unused ones (-1) last
+    used = r.tile_expert[r.tile_expert >= 0]
+    assert torch.all(used[1:] >= used[:-1])
+    assert torch.equal(used.unique(), ids.unique().to(torch.int32))
+    n_used = used.numel()
+    assert torch.all(r.tile_expert[n_used:] == -1)
+    # within an expert: ascending (token, slot)
+    for ex in ids.unique().tolist():
+        slots = (ids.reshape(-1) == ex).nonzero().flatten()
+        assert torch.all(rows[slots][1:] > rows[slots][:-1])
+
+
+def test_combine_sums_the_slots_in_order_in_fp32():
+    y = torch.tensor([[1.0, 2.0], [3.0, 4.0], [1e8, -1e8], [5.0, 6.0]])
+    r = route(torch.tensor([[0, 1], [1, 0]]), 2, 8)
+    y_rows = torch.zeros(r.rows, 2)
+    y_rows[r.slot_row.reshape(-1)] = y
+    w = torch.tensor([[0.5, 2.0], [1.0, 1.0]])
+    out = combine(y_rows, r, w, torch.float32)
+    assert torch.equal(out, torch.tensor([[0.5 + 6.0, 1.0 + 8.0], [1e8 + 5.0, -1e8 + 6.0]]))
+    assert combine(y_rows, r, w, torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_gather_quant_zeroes_padding_rows():
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    r = route(torch.tensor([[1], [0], [1]]), 2, 8)
+    q, scale = gather_quant(x, r)
+    assert q.shape == (r.rows, 256) and scale.shape == (r.rows, 2)
+    real = r.row_token >= 0
+    assert torch.equal(q[~real].float(), torch.zeros(int((~real).sum()), 256))
+    assert torch.equal(scale[~real], torch.zeros(int((~real).sum()), 2))
+    xq, xs = quantize_activation(x)
+    assert torch.equal(q[real].view(torch.uint8), xq[r.row_token[real]].view(torch.uint8))
+    assert torch.equal(scale[real], xs[r.row_token[real]])
+
+
+def _experts(num, n, k, gen):
+    ws, ss = zip(*(quantize_weight(torch.randn(n, k, generator=gen) * 0.05) for _ in range(num)))
+    return torch.stack(ws), torch.stack(ss)
+
+
+@pytest.mark.parametrize("m,k,e,h,inter,tile,routing,dtype", [
+    (1, 2, 8, 256, 128, 8, "random", torch.bfloat16),
+    (9, 4, 16, 200, 256, 8, "random", torch.float16),         # H off the 128 grid
+    (16, 2, 8, 128, 128, 16, "one_expert", torch.bfloat16),
+    (12, 2, 16, 256, 128, 32, "few", torch.bfloat16)])
+def test_sorted_pipeline_is_moe_reference_bit_for_bit(m, k, e, h, inter, tile, routing, dtype):
+    gen = torch.Generator().manual_seed(m + 100 * k)
+    x = torch.randn(m, h, generator=gen).to(dtype)
+    w13, s13 = _experts(e, 2 * inter, h, gen)
+    w2, s2 = _experts(e, h, inter, gen)
+    ids = _ids(m, k, e, gen, routing)
+    wts = torch.softmax(torch.randn(m, k, generator=gen), 1)
+    got = sorted_moe(x, w13, s13, w2, s2, wts, ids, tile, reference.moe_stages())
+    want = moe_reference(x, w13, s13, w2, s2, wts, ids)
+    assert got.dtype == dtype and torch.equal(got, want)
