@@ -98,9 +98,12 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids):
     m, hidden = x.shape
     experts, two_i, _ = w13.shape
     plan = moe_plan(m, topk_ids.shape[1], experts, hidden, two_i // 2, _sms(x.device.index))
-    stages = Stages(triton_moe.route, triton_moe.gather_quant, _grouped_gemm(plan),
-                    triton_moe.combine)
     return sorted_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids,
-                      plan.token_tile, stages)
+                      plan.token_tile, stages(plan))
+
+
+def stages(plan: MoePlan) -> Stages:
+    return Stages(triton_moe.route, triton_moe.gather_quant, _grouped_gemm(plan),
+                  triton_moe.combine)
 
 

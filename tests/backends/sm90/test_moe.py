@@ -3,6 +3,8 @@ GPU, the MoE layer on the grouped expert GEMMs against the fp64 formulation of t
 dequantized math, NaN-poisoned scratch, run to run, and under a CUDA graph."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -82,9 +84,24 @@ def _poison_cache():
     torch.full((64 << 20,), float("nan"), device="cuda")
 
 
+def _check_grouped(calls):
+    """Each grouped GEMM's output rows of real tokens against fp64 of its own inputs."""
+    for a, a_scale, w, w_scale, r, out in calls:
+        tile = r.token_tile
+        rows = (r.row_token >= 0).nonzero().flatten().cpu()
+        experts = r.tile_expert.cpu()[rows // tile].long()
+        a64 = R.dequant(a.cpu()[rows], a_scale.cpu()[rows])
+        ref = torch.stack([a64[i] @ R.dequant(w[e].cpu(), w_scale[e].cpu()).t()
+                           for i, e in enumerate(experts.tolist())])
+        got = out.cpu()[rows].double()
+        assert torch.isfinite(got).all()
+        assert R.rel_err(got, ref) <= 2e-3, (R.rel_err(got, ref), out.dtype)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,e,top_k,h,inter,routing,dtype", GPU_CASES)
-def test_fused_moe_matches_fp64(m, e, top_k, h, inter, routing, dtype):
+def test_fused_moe_matches_fp64(m, e, top_k, h, inter, routing, dtype, monkeypatch):
+    from fp8linear.backends.sm90 import moe as sm90_moe
     assert dispatch.moe_backend(torch.device("cuda"), h, inter, True) == "sm90"
     gen = torch.Generator().manual_seed(m * 131 + e)
     x = R.random_matrix(m, h, gen, spread=1.0).to(dtype).cuda()
@@ -92,14 +109,30 @@ def test_fused_moe_matches_fp64(m, e, top_k, h, inter, routing, dtype):
     w2, s2 = _gpu_experts(e, h, inter, gen)
     ids = _ids(m, top_k, e, gen, routing).cuda()
     wts = torch.softmax(torch.randn(m, top_k, generator=gen), 1).cuda()
+    calls, real = [], sm90_moe.stages
+
+    def spied(plan):  # record each grouped GEMM's inputs and output
+        st = real(plan)
+
+        def gemm(a, a_scale, w, w_scale, r, out, which):
+            st.grouped_gemm(a, a_scale, w, w_scale, r, out, which)
+            calls.append((a, a_scale, w, w_scale, r, out.clone()))
+        return dataclasses.replace(st, grouped_gemm=gemm)
+
+    monkeypatch.setattr(sm90_moe, "stages", spied)
     _poison_cache()
     out = fused_moe(x, w13, s13, w2, s2, wts, ids)
+    assert out.dtype == dtype and out.shape == (m, h) and torch.isfinite(out).all()
+    # each GEMM as tight as a dense one; the layer: the intermediate's fp8 rounding turns the
+    # GEMMs' last-bit differences into ~0.1-1% (an element near a rounding boundary moves by
+    # one fp8 step), so it is checked against the fp64 formulation within 1e-2
+    assert len(calls) == 2
+    _check_grouped(calls)
     xq, xs = quantize_activation(x.cpu())
     ref = R.moe(xq, xs, dtype, *(t.cpu() for t in (w13, s13, w2, s2, wts, ids)))
-    assert out.dtype == dtype and out.shape == (m, h) and torch.isfinite(out).all()
-    assert R.rel_err(out.cpu(), ref) <= 2e-3
-    # the same numerics as the reference path, up to the GEMMs' accumulation order
-    assert R.rel_err(out, moe_reference(x, w13, s13, w2, s2, wts, ids)) <= 1e-3
+    assert R.rel_err(out.cpu(), ref) <= 1e-2
+    assert R.rel_err(out, moe_reference(x, w13, s13, w2, s2, wts, ids)) <= 1e-2
+    monkeypatch.undo()
     _poison_cache()
     again = fused_moe(x, w13, s13, w2, s2, wts, ids)
     assert torch.equal(out.view(torch.int16), again.view(torch.int16))  # run to run

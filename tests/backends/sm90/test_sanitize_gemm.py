@@ -37,7 +37,7 @@ def test_sanitize_script_passes_right_results(script_env, capsys):
 
 def test_sanitize_script_fails_wrong_moe_results(script_env, capsys, monkeypatch):
     real = fp8linear.fused_moe
-    monkeypatch.setattr(fp8linear, "fused_moe", lambda *a: real(*a) * 1.01)
+    monkeypatch.setattr(fp8linear, "fused_moe", lambda *a: real(*a) * 1.05)
     assert S.main(["--device", "cpu", "--quick"]) == 1
     fails = [line for line in capsys.readouterr().out.splitlines() if "moe case" in line]
     assert len(fails) == 2 and all(" FAIL fused_moe: rel err " in line and
