@@ -52,6 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--ms", default=",".join(map(str, MS)))
     p.add_argument("--methods", default="fp8linear_moe,vllm_triton_moe")
     p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--explore-tiles", default="",
+                   help="e.g. 64,128: also fp8linear_moe@t<tile> (token tile forced) at M >= 128")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -87,6 +89,14 @@ def make_call(method, x, w13, s13, w2, s2, routes):
     import fp8linear
     if method == "fp8linear_moe":
         return lambda i: fp8linear.fused_moe(x, w13, s13, w2, s2, routes[i][1], routes[i][0])
+    if method.startswith("fp8linear_moe@t"):  # a token tile forced (plan exploration)
+        from fp8linear.backends.sm90 import moe as sm90_moe
+        tile = int(method.split("@t")[1])
+
+        def call(i):
+            with sm90_moe.forced(token_tile=tile):
+                return fp8linear.fused_moe(x, w13, s13, w2, s2, routes[i][1], routes[i][0])
+        return call
     if method == "vllm_triton_moe":
         return lambda i: torch.ops.vllm.fused_experts(
             hidden_states=x, w1=w13, w2=w2, topk_weights=routes[i][1], topk_ids=routes[i][0],
@@ -144,7 +154,9 @@ def main(argv=None) -> int:
             floor = max(touched * expert_bytes / (header["read_bw_gbps"] * 1e3),
                         2 * m * k * expert_bytes / (header["peak_tflops"] * 1e6))
             graphs, outs = {}, {}
-            for meth in methods:
+            extra = [f"fp8linear_moe@t{t}" for t in args.explore_tiles.split(",") if t and
+                     m >= 128]
+            for meth in methods + extra:
                 call = make_call(meth, x, w13, s13, w2, s2, routes)
                 outs[meth] = call(0)
                 graphs[meth] = C.capture_graph(call, LAUNCHES)
@@ -155,7 +167,7 @@ def main(argv=None) -> int:
                 ref = fp8linear.moe_reference(x, w13, s13, w2, s2, routes[0][1],
                                               routes[0][0]).float()
             times = C.time_graphs_interleaved(graphs, args.replays)
-            for meth in methods:
+            for meth in methods + extra:
                 us = C.median(times[meth]) / LAUNCHES
                 err = float((outs[meth].float() - base).norm() / base.norm())
                 err_ref = None if ref is None else float((outs[meth].float() - ref).norm()
@@ -177,6 +189,7 @@ def main(argv=None) -> int:
 
 def summary(rows, methods) -> str:
     """Per model and M: each method's µs and its speedup over the best vLLM method."""
+    methods = list(dict.fromkeys(list(methods) + [r["method"] for r in rows]))
     lines = ["model            M      " + "  ".join(f"{m:>16s}" for m in methods)
              + "  fp8linear vs best vLLM"]
     keys = sorted({(r["model"], r["M"]) for r in rows}, key=lambda t: (t[0], t[1]))

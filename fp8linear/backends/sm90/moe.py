@@ -8,6 +8,7 @@ host, so the rules size for uniformly routed tokens.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -73,6 +74,38 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
                    "moe-token-tile+moe-split-fill")
 
 
+_forced: dict = {}
+
+
+@contextlib.contextmanager
+def forced(token_tile: int | None = None, splits: int | None = None):
+    """Overrides the rules' token tile and/or both GEMMs' K splits (benchmarks, tests)."""
+    if token_tile is not None and token_tile not in DECODE_TILES:
+        raise ValueError(f"token_tile must be one of {DECODE_TILES}, got {token_tile}")
+    if splits is not None and splits < 1:
+        raise ValueError(f"splits must be >= 1, got {splits}")
+    old = dict(_forced)
+    _forced.update({k: v for k, v in (("token_tile", token_tile), ("splits", splits))
+                    if v is not None})
+    try:
+        yield
+    finally:
+        _forced.clear()
+        _forced.update(old)
+
+
+def _apply_forced(plan: MoePlan, hidden: int, inter: int) -> MoePlan:
+    config = plan.config
+    if "token_tile" in _forced:
+        config = DECODE_TILES.index(_forced["token_tile"])
+    bt = DECODE_TILES[config]
+
+    def g(old: GroupedGemmPlan, k: int) -> GroupedGemmPlan:
+        splits = min(_forced.get("splits", old.splits), cdiv(k, BLOCK))
+        return GroupedGemmPlan(splits, 2 if bt <= TWO_PER_SM_MAX_BT else 1)
+    return MoePlan(config, g(plan.gate_up, hidden), g(plan.down, inter), "forced")
+
+
 def supported(hidden: int, inter: int, block_scales: bool) -> bool:
     # TMA rows of 16 bytes (K % 16, N % 8), SiLU-and-mul + quant's whole 128-channel groups,
     # and 128x128 weight scales (moe.cu reads no per-row scales)
@@ -98,6 +131,8 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids):
     m, hidden = x.shape
     experts, two_i, _ = w13.shape
     plan = moe_plan(m, topk_ids.shape[1], experts, hidden, two_i // 2, _sms(x.device.index))
+    if _forced:
+        plan = _apply_forced(plan, hidden, two_i // 2)
     return sorted_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids,
                       plan.token_tile, stages(plan))
 
