@@ -24,6 +24,8 @@ from .tiles import DECODE_TILES
 
 ROWS = 128  # weight rows a CTA owns (moe.cu instantiates 128-row CTAs only)
 TWO_PER_SM_MAX_BT = 32  # moe.cu: two CTAs an SM for token tiles <= 32
+TILE_2X_MIN_HIDDEN = 4096
+TILE_2X_MIN_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,12 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
     # moe-token-tile: the smallest tile that holds an active expert's expected tokens, so
     # that few tokens an expert pad no tensor-core work up to 64 rows (128 at most)
     per_expert = math.ceil(slots / active - 1e-3)
-    config = next((i for i, t in enumerate(DECODE_TILES) if t >= per_expert),
-                  len(DECODE_TILES) - 1)
+    want, rule = per_expert, "moe-token-tile"
+    if hidden >= TILE_2X_MIN_HIDDEN and per_expert >= TILE_2X_MIN_TOKENS:
+        # moe-token-tile-2x: wide experts with >= 16 tokens each take a tile of twice that,
+        # so that the experts routed more than the mean still stream their weights once
+        want, rule = 2 * per_expert, "moe-token-tile-2x"
+    config = next((i for i, t in enumerate(DECODE_TILES) if t >= want), len(DECODE_TILES) - 1)
     bt = DECODE_TILES[config]
     tiles = active * cdiv(per_expert, bt)
 
@@ -71,7 +77,7 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
         return GroupedGemmPlan(splits, ctas)
 
     return MoePlan(config, gemm(2 * inter, hidden), gemm(hidden, inter),
-                   "moe-token-tile+moe-split-fill")
+                   rule + "+moe-split-fill")
 
 
 _forced: dict = {}

@@ -28,11 +28,15 @@ def test_expected_active_experts():
 @pytest.mark.parametrize("model,m,tile", [
     ("qwen3_30b_a3b", 1, 8), ("qwen3_30b_a3b", 64, 8), ("qwen3_30b_a3b", 256, 16),
     ("qwen3_30b_a3b", 4096, 128), ("mixtral_8x7b", 1, 8), ("mixtral_8x7b", 16, 8),
-    ("mixtral_8x7b", 64, 16), ("mixtral_8x7b", 1024, 128), ("deepseek_v3", 16, 8)])
+    ("mixtral_8x7b", 64, 32), ("mixtral_8x7b", 1024, 128), ("deepseek_v3", 16, 8),
+    ("mixtral_8x7b", 16, 8), ("mixtral_8x7b", 128, 64), ("deepseek_v3", 512, 32),
+    ("qwen3_235b_a22b", 256, 32), ("qwen3_30b_a3b", 512, 32)])
 def test_token_tile_holds_an_experts_expected_tokens(model, m, tile):
     e, k, h, i = MODELS[model]
     plan = moe_plan(m, k, e, h, i, 132)
     assert plan.token_tile == tile and "moe-token-tile" in plan.rule
+    # wide experts with >= 16 tokens each: twice the tokens (moe-token-tile-2x)
+    assert ("moe-token-tile-2x" in plan.rule) == (h >= 4096 and m * k / min(e, m * k) >= 15.9)
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
