@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .quant import BLOCK, FP8_DTYPE, cdiv
+from .quant import BLOCK, FP8_DTYPE, cdiv, check_weight_scale_shape
 from .backends import dispatch
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -83,9 +83,7 @@ def _check_weight_steps(w, w_scale, name):
         _fail(f"{name}_scale_inv must be a 2-D fp32 tensor of shape "
               f"({cdiv(n, BLOCK)}, {kb}) (128x128 blocks) or ({n}, {kb}) (per row), got "
               + _describe(w_scale))
-    if tuple(w_scale.shape) not in ((cdiv(n, BLOCK), kb), (n, kb)):
-        _fail(f"{name}_scale_inv has shape {tuple(w_scale.shape)} but {name} is [{n}, {k}]: "
-              f"expected ({cdiv(n, BLOCK)}, {kb}) for 128x128 blocks or ({n}, {kb}) per row")
+    check_weight_scale_shape((n, k), w_scale.shape, name)
     _check_2d_contiguous(w_scale, f"{name}_scale_inv", torch.float32, w_scale.shape)
     if w_scale.device != w.device:
         _fail(f"{name}_scale_inv is on {w_scale.device} but {name} is on {w.device}")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from fp8linear import knobs
+from fp8linear.backends import dispatch
 
 KEY = "triton.enable_pdl"
 PASS_KEY = "post_grad_custom_post_pass"
@@ -36,7 +37,7 @@ def hopper() -> bool:
     """Whether this process's GEMMs run our sm90 kernels (the ones that start early)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         return False
-    return knobs.get(knobs.BACKEND) in (None, "sm90")
+    return dispatch.forced_backend() in (None, "sm90")
 
 
 def inductor_has_pdl() -> bool:
