@@ -58,21 +58,25 @@ def test_moe_reference_matches_fp64(m, e, top_k, h, inter, routing, dtype, per_r
     assert torch.isfinite(out).all() and out.abs().sum() > 0
 
 
-def test_moe_reference_is_deterministic_and_routing_sensitive():
-    gen = torch.Generator().manual_seed(5)
-    m, e, h, inter = 9, 4, 128, 128
+def _layer(seed, m, e, h, inter):
+    gen = torch.Generator().manual_seed(seed)
     x = R.random_matrix(m, h, gen, spread=1.0).to(torch.bfloat16)
     w13, s13 = _experts(e, 2 * inter, h, gen)
     w2, s2 = _experts(e, h, inter, gen)
-    ids = torch.randint(0, e, (m, 2), generator=gen)
-    wts = torch.rand(m, 2, generator=gen)
+    return x, w13, s13, w2, s2, torch.rand(m, 2, generator=gen), torch.randint(0, e, (m, 2),
+                                                                                generator=gen)
+
+
+def test_moe_reference_is_deterministic_and_routing_sensitive():
+    x, w13, s13, w2, s2, wts, ids = _layer(5, 9, 4, 128, 128)
     a = moe_reference(x, w13, s13, w2, s2, wts, ids)
     assert torch.equal(a.view(torch.int16), moe_reference(x, w13, s13, w2, s2, wts, ids)
                        .view(torch.int16))
-    assert not torch.equal(a, moe_reference(x, w13, s13, w2, s2, wts, (ids + 1) % e))
+    assert not torch.equal(a, moe_reference(x, w13, s13, w2, s2, wts, (ids + 1) % 4))
 
 
-def test_moe_reference_errors():
+@pytest.mark.parametrize("fn", [moe_reference, fused_moe])
+def test_errors_name_the_tensor(fn):
     gen = torch.Generator().manual_seed(1)
     w13, s13 = _experts(2, 256, 128, gen)
     w2, s2 = _experts(2, 128, 128, gen)
@@ -81,41 +85,26 @@ def test_moe_reference_errors():
     wts = torch.ones(3, 1)
     with pytest.raises(ValueError, match=r"^topk_ids must be expert ids in 0\.\.1, got values "
                                          r"from 0 to 2$"):
-        moe_reference(x, w13, s13, w2, s2, wts, torch.tensor([[0], [2], [1]]))
+        fn(x, w13, s13, w2, s2, wts, torch.tensor([[0], [2], [1]]))
     with pytest.raises(ValueError, match=r"^w2 must be float8_e4m3fn \[2, 128, 128\], got "
                                          r"\(2, 128, 64\) torch.float8_e4m3fn$"):
-        moe_reference(x, w13, s13, w2[:, :, :64], s2, wts, ids)
+        fn(x, w13, s13, w2[:, :, :64], s2, wts, ids)
     with pytest.raises(ValueError, match=r"^w13_scale must be fp32 of shape \(2, 2, 1\) "
                                          r"\(128x128 blocks\) or \(2, 256, 1\) \(per row\), got "
                                          r"\(2, 1, 1\) torch.float32$"):
-        moe_reference(x, w13, s13[:, :1], w2, s2, wts, ids)
+        fn(x, w13, s13[:, :1], w2, s2, wts, ids)
     with pytest.raises(ValueError, match=r"^topk_weights must have topk_ids' shape \(3, 1\), "
                                          r"got \(3, 2\)$"):
-        moe_reference(x, w13, s13, w2, s2, torch.ones(3, 2), ids)
+        fn(x, w13, s13, w2, s2, torch.ones(3, 2), ids)
+    with pytest.raises(ValueError, match=r"^topk_weights must be contiguous \(shape \(3, 2\), "
+                                         r"strides \(1, 3\)\)$"):
+        fn(x, w13, s13, w2, s2, torch.ones(2, 3).t(), torch.zeros(3, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"^topk_ids must be on x's device cpu, got meta$"):
+        fn(x, w13, s13, w2, s2, wts, ids.to("meta"))
 
 
 def test_fused_moe_on_the_cpu_is_the_reference():
-    gen = torch.Generator().manual_seed(11)
-    m, e, h, inter = 6, 4, 256, 128
-    x = R.random_matrix(m, h, gen, spread=1.0).to(torch.bfloat16)
-    w13, s13 = _experts(e, 2 * inter, h, gen)
-    w2, s2 = _experts(e, h, inter, gen)
-    ids = torch.randint(0, e, (m, 2), generator=gen)
-    wts = torch.rand(m, 2, generator=gen)
+    x, w13, s13, w2, s2, wts, ids = _layer(11, 6, 4, 256, 128)
     assert torch.equal(fused_moe(x, w13, s13, w2, s2, wts, ids),
                        moe_reference(x, w13, s13, w2, s2, wts, ids))
-    assert fused_moe(x[:0], w13, s13, w2, s2, wts[:0], ids[:0]).shape == (0, h)
-
-
-def test_fused_moe_errors_name_the_tensor():
-    gen = torch.Generator().manual_seed(2)
-    w13, s13 = _experts(2, 256, 128, gen)
-    w2, s2 = _experts(2, 128, 128, gen)
-    x = torch.randn(3, 128, dtype=torch.bfloat16)
-    ids = torch.zeros(3, 2, dtype=torch.int64)
-    wts = torch.ones(3, 2)
-    with pytest.raises(ValueError, match=r"^topk_weights must be contiguous \(shape \(3, 2\), "
-                                         r"strides \(1, 3\)\)$"):
-        fused_moe(x, w13, s13, w2, s2, torch.ones(2, 3).t(), ids)
-    with pytest.raises(ValueError, match=r"^topk_ids must be on x's device cpu, got meta$"):
-        fused_moe(x, w13, s13, w2, s2, wts, ids.to("meta"))
+    assert fused_moe(x[:0], w13, s13, w2, s2, wts[:0], ids[:0]).shape == (0, 256)
