@@ -91,13 +91,9 @@ def moe_reference(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
     return out.to(x.dtype)
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
-              w2_scale: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-    """The block-FP8 MoE layer: ``moe_reference``'s arguments and numerics (out [M, H] in
-    x's dtype), on the fastest path for the device. On the GPU the expert ids are not read
-    on the host (CUDA graphs and torch.compile work): they must lie in 0..E-1."""
-    _check(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
+def _fused_moe_impl(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
+                    w2: torch.Tensor, w2_scale: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor) -> torch.Tensor:
     if x.shape[0] == 0:
         return torch.empty_like(x)
     inter = w13.shape[1] // 2
@@ -109,3 +105,23 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: t
         from .backends.sm90 import moe as sm90_moe
         return sm90_moe.fused_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
     return moe_reference(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
+
+
+# A custom op (opaque to torch.compile, with a fake implementation), for compiled graphs.
+op = torch.library.custom_op("fp8linear::fused_moe", _fused_moe_impl, mutates_args=())
+
+
+@op.register_fake
+def _(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids):
+    return torch.empty_like(x)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+              w2_scale: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """The block-FP8 MoE layer: ``moe_reference``'s arguments and numerics (out [M, H] in
+    x's dtype), on the fastest path for the device. On the GPU the expert ids are not read
+    on the host (CUDA graphs and torch.compile work): they must lie in 0..E-1."""
+    _check(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
+    args = (x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
+    return op(*args) if torch.compiler.is_compiling() else _fused_moe_impl(*args)

@@ -108,3 +108,12 @@ def test_fused_moe_on_the_cpu_is_the_reference():
     assert torch.equal(fused_moe(x, w13, s13, w2, s2, wts, ids),
                        moe_reference(x, w13, s13, w2, s2, wts, ids))
     assert fused_moe(x[:0], w13, s13, w2, s2, wts[:0], ids[:0]).shape == (0, 256)
+
+
+def test_fused_moe_compiles_as_one_opaque_op():
+    x, w13, s13, w2, s2, wts, ids = _layer(12, 5, 4, 256, 128)
+    compiled = torch.compile(fused_moe, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x, w13, s13, w2, s2, wts, ids),
+                       moe_reference(x, w13, s13, w2, s2, wts, ids))
+    graph = torch._dynamo.explain(fused_moe)(x, w13, s13, w2, s2, wts, ids)
+    assert graph.graph_count == 1 and graph.graph_break_count == 0
