@@ -3,7 +3,7 @@ fp8linear.moe_routing's ``route``, the gather + quantization of the sorted rows,
 ``combine`` (its torch versions define the results; tests check these against them).
 
 - ``route``: one program. Pass 1 counts each expert's slots, pass 2 walks the slots in order,
-  128 at a time, and gives each the next row of its expert (its rank among the chunk's slots
+  up to 128 at a time, and gives each the next row of its expert (its rank among the chunk's slots
   of that expert plus the rows earlier chunks took): the sorted order is by expert, then
   slot, whatever the GPU. Then each tile's expert, from the experts' padded row ranges.
 - ``gather_quant``: sorted row r quantizes token row_token[r] (padding rows: zeros), with
@@ -20,7 +20,9 @@ from ...moe_routing import Routing, max_tiles
 from ...quant import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX, cdiv
 from .quant import needs_round_first, quant_group
 
-SLOTS_PER_STEP = 128
+# slots a step of the routing program compares with every expert: a [slots, experts] tile
+# of at most 16K elements (registers), 128 slots for 128 experts, 16 for 1024
+ROUTE_TILE_ELEMENTS = 16384
 
 
 @triton.jit
@@ -70,8 +72,9 @@ def route(topk_ids: torch.Tensor, num_experts: int, token_tile: int) -> Routing:
     row_token = torch.empty(tiles * token_tile, dtype=torch.int64, device=dev)
     slot_row = torch.empty(m, k, dtype=torch.int64, device=dev)
     block_e = triton.next_power_of_2(num_experts)
+    block_s = max(16, min(128, ROUTE_TILE_ELEMENTS // block_e))
     _route_kernel[(1,)](topk_ids, tile_expert, row_token, slot_row, slots, k, num_experts,
-                        block_e, token_tile, tiles, SLOTS_PER_STEP, 32,
+                        block_e, token_tile, tiles, block_s, 32,
                         num_warps=8 if block_e >= 256 else 4)
     return Routing(token_tile, tile_expert, row_token, slot_row)
 

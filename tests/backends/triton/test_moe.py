@@ -16,9 +16,10 @@ from fp8linear.backends import reference  # noqa: E402
 from fp8linear.moe import moe_reference  # noqa: E402
 from fp8linear.quant import quantize_weight  # noqa: E402
 
-# (M, top_k, experts, token tile, routing); 200 x 2 slots: pass 2 over several 128-slot steps
+# (M, top_k, experts, token tile, routing); 200 x 2 slots: pass 2 over several 128-slot steps;
+# 300 and 1024 experts: 32- and 16-slot steps
 CASES = [(1, 8, 128, 8, "random"), (5, 3, 6, 8, "random"), (16, 2, 8, 16, "one_expert"),
-         (200, 2, 16, 32, "random"), (9, 4, 300, 8, "random")]
+         (200, 2, 16, 32, "random"), (9, 4, 300, 8, "random"), (5, 8, 1024, 8, "random")]
 
 
 def _ids(m, k, e, gen, routing):
