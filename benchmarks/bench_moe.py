@@ -54,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--explore-tiles", default="",
                    help="e.g. 64,128: also fp8linear_moe@t<tile> (token tile forced) at M >= 128")
+    p.add_argument("--explore-pdl", action="store_true",
+                   help="also fp8linear_moe@nopdl (the grouped GEMMs without PDL)")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -89,12 +91,13 @@ def make_call(method, x, w13, s13, w2, s2, routes):
     import fp8linear
     if method == "fp8linear_moe":
         return lambda i: fp8linear.fused_moe(x, w13, s13, w2, s2, routes[i][1], routes[i][0])
-    if method.startswith("fp8linear_moe@t"):  # a token tile forced (plan exploration)
+    if method.startswith("fp8linear_moe@"):  # a plan piece forced (exploration)
         from fp8linear.backends.sm90 import moe as sm90_moe
-        tile = int(method.split("@t")[1])
+        piece = method.split("@")[1]  # t<tile>, or nopdl
+        over = {"pdl": False} if piece == "nopdl" else {"token_tile": int(piece[1:])}
 
         def call(i):
-            with sm90_moe.forced(token_tile=tile):
+            with sm90_moe.forced(**over):
                 return fp8linear.fused_moe(x, w13, s13, w2, s2, routes[i][1], routes[i][0])
         return call
     if method == "vllm_triton_moe":
@@ -155,7 +158,7 @@ def main(argv=None) -> int:
                         2 * m * k * expert_bytes / (header["peak_tflops"] * 1e6))
             graphs, outs = {}, {}
             extra = [f"fp8linear_moe@t{t}" for t in args.explore_tiles.split(",") if t and
-                     m >= 128]
+                     m >= 128] + (["fp8linear_moe@nopdl"] if args.explore_pdl else [])
             for meth in methods + extra:
                 call = make_call(meth, x, w13, s13, w2, s2, routes)
                 outs[meth] = call(0)

@@ -104,11 +104,11 @@ class Library:
                           rows, splits, ctas_per_sm, pdl, early_trigger, quant_first, None)
 
     def grouped(self, x, x_scale, w, w_scale, out, tile_expert, ws_floats, tiles, config,
-                splits, ctas_per_sm) -> None:
+                splits, ctas_per_sm, pdl) -> None:
         # the grouped expert GEMM (backends/sm90/moe.py): fp8 x sorted by expert in token
         # tiles, tile_expert int32 [m / tile], w [E, n, k], 128x128 w_scale [E, ...]
         self._decode_call(x, x_scale, w, w_scale, False, None, out, ws_floats, tiles, config,
-                          128, splits, ctas_per_sm, False, False, False, tile_expert)
+                          128, splits, ctas_per_sm, pdl, False, False, tile_expert)
 
     def _decode_call(self, x, x_scale, w, w_scale, per_row, bias, out, ws_floats, tiles, config,
                      rows, splits, ctas_per_sm, pdl, early_trigger, quant_first, tile_expert):

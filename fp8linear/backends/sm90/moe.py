@@ -39,6 +39,7 @@ class MoePlan:
     config: int              # token tile DECODE_TILES[config]
     gate_up: GroupedGemmPlan
     down: GroupedGemmPlan
+    pdl: bool = True         # moe-pdl: the GEMMs stream their weights under the kernel before
     rule: str = dataclasses.field(default="", compare=False)
 
     @property
@@ -76,23 +77,27 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
         splits = max(1, min(int(ctas * sms // grid), num_kb // 2))
         return GroupedGemmPlan(splits, ctas)
 
-    return MoePlan(config, gemm(2 * inter, hidden), gemm(hidden, inter),
-                   rule + "+moe-split-fill")
+    # moe-pdl: each grouped GEMM launches under PDL and streams its experts' weights while
+    # the kernel before it (gather + quant, SiLU-and-mul + quant) runs: the routing that chose
+    # the experts (tile_expert) finished before that kernel started, which no PDL launch
+    # precedes. It reads its activations after griddepcontrol.wait.
+    return MoePlan(config, gemm(2 * inter, hidden), gemm(hidden, inter), True,
+                   rule + "+moe-split-fill+moe-pdl")
 
 
 _forced: dict = {}
 
 
 @contextlib.contextmanager
-def forced(token_tile: int | None = None, splits: int | None = None):
-    """Overrides the rules' token tile and/or both GEMMs' K splits (benchmarks, tests)."""
+def forced(token_tile: int | None = None, splits: int | None = None, pdl: bool | None = None):
+    """Overrides the rules' token tile, both GEMMs' K splits, PDL (benchmarks, tests)."""
     if token_tile is not None and token_tile not in DECODE_TILES:
         raise ValueError(f"token_tile must be one of {DECODE_TILES}, got {token_tile}")
     if splits is not None and splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
     old = dict(_forced)
-    _forced.update({k: v for k, v in (("token_tile", token_tile), ("splits", splits))
-                    if v is not None})
+    _forced.update({k: v for k, v in (("token_tile", token_tile), ("splits", splits),
+                                      ("pdl", pdl)) if v is not None})
     try:
         yield
     finally:
@@ -109,7 +114,8 @@ def _apply_forced(plan: MoePlan, hidden: int, inter: int) -> MoePlan:
     def g(old: GroupedGemmPlan, k: int) -> GroupedGemmPlan:
         splits = min(_forced.get("splits", old.splits), cdiv(k, BLOCK))
         return GroupedGemmPlan(splits, 2 if bt <= TWO_PER_SM_MAX_BT else 1)
-    return MoePlan(config, g(plan.gate_up, hidden), g(plan.down, inter), "forced")
+    return MoePlan(config, g(plan.gate_up, hidden), g(plan.down, inter),
+                   _forced.get("pdl", plan.pdl), "forced")
 
 
 def supported(hidden: int, inter: int, block_scales: bool) -> bool:
@@ -124,7 +130,7 @@ def _grouped_gemm(plan: MoePlan):
         tiles = cdiv(w.shape[1], ROWS) * r.tile_expert.shape[0]
         ws = g.splits * tiles * r.token_tile * ROWS if g.splits > 1 else 0
         library.load().grouped(a, a_scale, w, w_scale, out, r.tile_expert, ws, tiles,
-                               plan.config, g.splits, g.ctas_per_sm)
+                               plan.config, g.splits, g.ctas_per_sm, plan.pdl)
     return run
 
 
