@@ -20,10 +20,10 @@ from ...moe_routing import Routing, Stages, sorted_moe
 from ...quant import BLOCK, cdiv
 from ..triton import moe as triton_moe
 from . import library
+from .plan import DECODE_TWO_PER_SM_MAX_BT as TWO_PER_SM_MAX_BT
 from .tiles import DECODE_TILES
 
 ROWS = 128  # weight rows a CTA owns (moe.cu instantiates 128-row CTAs only)
-TWO_PER_SM_MAX_BT = 32  # moe.cu: two CTAs an SM for token tiles <= 32
 TILE_2X_MIN_HIDDEN = 4096
 TILE_2X_MIN_TOKENS = 16
 
