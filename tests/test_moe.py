@@ -6,19 +6,9 @@ import pytest
 import torch
 
 import fp64_reference as R
-from fp8linear import quantize_activation, quantize_weight
+from fp8linear import quantize_activation
+from moe_cases import experts, topk_ids
 from fp8linear.moe import fused_moe, moe_reference
-
-
-def _experts(num, n, k, gen, per_row=False):
-    ws, ss = [], []
-    for _ in range(num):
-        w, s = quantize_weight(R.random_matrix(n, k, gen, spread=1.0) * 0.05)
-        if per_row:
-            s = s.repeat_interleave(128, 0)[:n].contiguous()
-        ws.append(w)
-        ss.append(s)
-    return torch.stack(ws), torch.stack(ss)
 
 
 def _fp64_moe(x, w13, s13, w2, s2, weights, ids):
@@ -39,16 +29,9 @@ CASES = [  # (M, E, top_k, H, I, routing, dtype, per_row)
 def test_moe_reference_matches_fp64(m, e, top_k, h, inter, routing, dtype, per_row):
     gen = torch.Generator().manual_seed(m * 1000 + e * 10 + top_k)
     x = R.random_matrix(m, h, gen, spread=1.0).to(dtype)
-    w13, s13 = _experts(e, 2 * inter, h, gen, per_row)
-    w2, s2 = _experts(e, h, inter, gen, per_row)
-    if routing == "one_expert":
-        ids = torch.full((m, top_k), 3, dtype=torch.int32)
-        ids[:, 1:] = torch.arange(1, top_k, dtype=torch.int32) + 3
-    elif routing == "few":
-        ids = torch.randint(0, 2, (m, top_k), generator=gen, dtype=torch.int64)
-        ids[:, 1] = 1 - ids[:, 0]
-    else:
-        ids = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(m)])
+    w13, s13 = experts(e, 2 * inter, h, gen, per_row)
+    w2, s2 = experts(e, h, inter, gen, per_row)
+    ids = topk_ids(m, top_k, e, gen, routing)
     weights = torch.softmax(torch.randn(m, top_k, generator=gen), dim=1)
     out = moe_reference(x, w13, s13, w2, s2, weights, ids)
     ref = _fp64_moe(x, w13, s13, w2, s2, weights, ids)
@@ -61,8 +44,8 @@ def test_moe_reference_matches_fp64(m, e, top_k, h, inter, routing, dtype, per_r
 def _layer(seed, m, e, h, inter):
     gen = torch.Generator().manual_seed(seed)
     x = R.random_matrix(m, h, gen, spread=1.0).to(torch.bfloat16)
-    w13, s13 = _experts(e, 2 * inter, h, gen)
-    w2, s2 = _experts(e, h, inter, gen)
+    w13, s13 = experts(e, 2 * inter, h, gen)
+    w2, s2 = experts(e, h, inter, gen)
     return x, w13, s13, w2, s2, torch.rand(m, 2, generator=gen), torch.randint(0, e, (m, 2),
                                                                                 generator=gen)
 
@@ -78,8 +61,8 @@ def test_moe_reference_is_deterministic_and_routing_sensitive():
 @pytest.mark.parametrize("fn", [moe_reference, fused_moe])
 def test_errors_name_the_tensor(fn):
     gen = torch.Generator().manual_seed(1)
-    w13, s13 = _experts(2, 256, 128, gen)
-    w2, s2 = _experts(2, 128, 128, gen)
+    w13, s13 = experts(2, 256, 128, gen)
+    w2, s2 = experts(2, 128, 128, gen)
     x = torch.randn(3, 128, dtype=torch.bfloat16)
     ids = torch.zeros(3, 1, dtype=torch.int64)
     wts = torch.ones(3, 1)

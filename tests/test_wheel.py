@@ -137,14 +137,20 @@ def platform_wheel(tmp_path_factory):
     return wheel, unpacked
 
 
-def test_platform_wheel_tag_and_contents(platform_wheel):
-    wheel, unpacked = platform_wheel
+def check_tag(wheel, tag: str, purelib: bool):
+    """The wheel's file name and WHEEL metadata carry ``tag``; -> (version, file names)."""
     with zipfile.ZipFile(wheel) as zf:
         version, meta = wheel_meta(zf)
         names = zf.namelist()
-    assert wheel.name == f"fp8linear-{version}-py3-none-manylinux_2_34_x86_64.whl"
+    assert wheel.name == f"fp8linear-{version}-{tag}.whl"
     assert [ln for ln in meta if ln.startswith(("Tag:", "Root-Is-Purelib:"))] == [
-        "Root-Is-Purelib: false", "Tag: py3-none-manylinux_2_34_x86_64"]
+        f"Root-Is-Purelib: {str(purelib).lower()}", f"Tag: {tag}"]
+    return version, names
+
+
+def test_platform_wheel_tag_and_contents(platform_wheel):
+    wheel, unpacked = platform_wheel
+    version, names = check_tag(wheel, "py3-none-manylinux_2_34_x86_64", purelib=False)
     check_layout(names, version)
     assert sorted(n for n in names if n.startswith(PRE)) == [PRE + "build.json",
                                                               PRE + build.LIB_NAME]
@@ -204,11 +210,6 @@ def test_platform_wheel_installs_and_loads_with_nothing_to_compile(platform_whee
 
 def test_pure_wheel(tmp_path):
     wheel = build_wheel(tmp_path, kernels=False)
-    with zipfile.ZipFile(wheel) as zf:
-        version, meta = wheel_meta(zf)
-        names = zf.namelist()
-    assert wheel.name == f"fp8linear-{version}-py3-none-any.whl"
-    assert [ln for ln in meta if ln.startswith(("Tag:", "Root-Is-Purelib:"))] == [
-        "Root-Is-Purelib: true", "Tag: py3-none-any"]
+    version, names = check_tag(wheel, "py3-none-any", purelib=True)
     check_layout(names, version)
     assert [n for n in names if n.startswith(PRE) or n.endswith(".so")] == []

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 import fp64_reference as R
-from fp8linear import quantize_activation, quantize_weight
+from fp8linear import quantize_activation
 from fp8linear.backends import dispatch
 from fp8linear.backends.sm90.moe import expected_active, moe_plan
 from fp8linear.moe import fused_moe, moe_reference
+from moe_cases import experts, topk_ids
 
 MODELS = {  # experts, top_k, hidden, expert intermediate
     "qwen3_30b_a3b": (128, 8, 2048, 768), "qwen3_235b_a22b": (128, 8, 4096, 1536),
@@ -67,20 +68,6 @@ GPU_CASES = [  # (M, E, top_k, H, I, routing, dtype)
 ]
 
 
-def _gpu_experts(num, n, k, gen):
-    ws, ss = zip(*(quantize_weight(R.random_matrix(n, k, gen, spread=1.0) * 0.05)
-                   for _ in range(num)))
-    return torch.stack(ws).cuda(), torch.stack(ss).cuda()
-
-
-def _ids(m, k, e, gen, routing):
-    if routing == "one_expert":
-        return (torch.arange(k) + 3).repeat(m, 1)
-    if routing == "few":
-        return torch.stack([torch.randperm(3, generator=gen)[:k] for _ in range(m)])
-    return torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(m)])
-
-
 def _poison_cache():
     # the layer's scratch (sorted rows, GEMM outputs) comes from torch's caching allocator:
     # fill the memory it will hand out with NaN, so any row the kernels fail to write shows
@@ -109,9 +96,9 @@ def test_fused_moe_matches_fp64(m, e, top_k, h, inter, routing, dtype, monkeypat
     assert dispatch.moe_backend(torch.device("cuda"), h, inter, True) == "sm90"
     gen = torch.Generator().manual_seed(m * 131 + e)
     x = R.random_matrix(m, h, gen, spread=1.0).to(dtype).cuda()
-    w13, s13 = _gpu_experts(e, 2 * inter, h, gen)
-    w2, s2 = _gpu_experts(e, h, inter, gen)
-    ids = _ids(m, top_k, e, gen, routing).cuda()
+    w13, s13 = (t.cuda() for t in experts(e, 2 * inter, h, gen))
+    w2, s2 = (t.cuda() for t in experts(e, h, inter, gen))
+    ids = topk_ids(m, top_k, e, gen, routing).cuda()
     wts = torch.softmax(torch.randn(m, top_k, generator=gen), 1).cuda()
     calls, real = [], sm90_moe.stages
 
@@ -147,16 +134,16 @@ def test_fused_moe_under_a_cuda_graph_follows_new_routing():
     gen = torch.Generator().manual_seed(3)
     m, e, k, h, inter = 4, 32, 4, 256, 256
     x = R.random_matrix(m, h, gen, spread=1.0).to(torch.bfloat16).cuda()
-    w13, s13 = _gpu_experts(e, 2 * inter, h, gen)
-    w2, s2 = _gpu_experts(e, h, inter, gen)
-    ids = _ids(m, k, e, gen, "random").cuda()
+    w13, s13 = (t.cuda() for t in experts(e, 2 * inter, h, gen))
+    w2, s2 = (t.cuda() for t in experts(e, h, inter, gen))
+    ids = topk_ids(m, k, e, gen, "random").cuda()
     wts = torch.softmax(torch.randn(m, k, generator=gen), 1).cuda()
     fused_moe(x, w13, s13, w2, s2, wts, ids)  # warm-up (plans, library load)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = fused_moe(x, w13, s13, w2, s2, wts, ids)
     for seed in range(3):
-        ids.copy_(_ids(m, k, e, torch.Generator().manual_seed(seed), "random"))
+        ids.copy_(topk_ids(m, k, e, torch.Generator().manual_seed(seed), "random"))
         g.replay()
         want = fused_moe(x, w13, s13, w2, s2, wts, ids)
         assert torch.equal(out, want)

@@ -86,6 +86,14 @@ def ref_weight_only(x, w, w_s, bias):
     return y + bias.double() if bias is not None else y
 
 
+def ref_linear(mode, x, w, w_s, bias):
+    """fp8_linear's definition in Triton mode ``mode``: native quantizes x first."""
+    if mode == "native":
+        a, a_s = fp8linear.quantize_activation(x)
+        return ref.gemm(a, a_s, w, w_s, bias)
+    return ref_weight_only(x, w, w_s, bias)
+
+
 def check(got, want, what):
     assert not torch.isnan(got).any(), f"{what}: NaN left in the output"
     err = ref.rel_err(got, want)
@@ -271,12 +279,7 @@ def test_forced_configs(monkeypatch, mode):
         out = poisoned(m, n, torch.bfloat16, dev)
         xb = x.to(torch.bfloat16)
         tg.linear(xb, w, w_s, bias, out, config=cfg)
-        if mode == "native":
-            qa, qs = fp8linear.quantize_activation(xb)
-            want = ref.gemm(qa, qs, w, w_s, bias)
-        else:
-            want = ref_weight_only(xb, w, w_s, bias)
-        check(out, want, f"linear {cfg} m={m} n={n} k={k}")
+        check(out, ref_linear(mode, xb, w, w_s, bias), f"linear {cfg} m={m} n={n} k={k}")
 
 
 @pytest.mark.gpu
@@ -292,12 +295,7 @@ def test_real_shapes(monkeypatch, mode):
             x = x.to(torch.bfloat16)
             out = poisoned(m, n, torch.bfloat16, dev)
             tg.linear(x, w, w_s, None, out)
-            if mode == "native":
-                a, a_s = fp8linear.quantize_activation(x)
-                want = ref.gemm(a, a_s, w, w_s)
-            else:
-                want = ref_weight_only(x, w, w_s, None)
-            check(out, want, f"{mode} m={m} n={n} k={k}")
+            check(out, ref_linear(mode, x, w, w_s, None), f"{mode} m={m} n={n} k={k}")
 
 
 @pytest.mark.gpu

@@ -14,7 +14,7 @@ import triton_interpreter  # noqa: E402
 from fp8linear import moe_routing as mr  # noqa: E402
 from fp8linear.backends import reference  # noqa: E402
 from fp8linear.moe import moe_reference  # noqa: E402
-from fp8linear.quant import quantize_weight  # noqa: E402
+from moe_cases import experts, topk_ids  # noqa: E402
 
 # (M, top_k, experts, token tile, routing); 200 x 2 slots: pass 2 over several 128-slot steps;
 # 300 and 1024 experts: 32- and 16-slot steps
@@ -22,16 +22,10 @@ CASES = [(1, 8, 128, 8, "random"), (5, 3, 6, 8, "random"), (16, 2, 8, 16, "one_e
          (200, 2, 16, 32, "random"), (9, 4, 300, 8, "random"), (5, 8, 1024, 8, "random")]
 
 
-def _ids(m, k, e, gen, routing):
-    if routing == "one_expert":
-        return (torch.arange(k) + 3).repeat(m, 1)
-    return torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(m)])
-
-
 def check_stages(m, k, e, tile, routing, device):
     from fp8linear.backends.triton import moe as tm
     gen = torch.Generator().manual_seed(m * 17 + e)
-    ids = _ids(m, k, e, gen, routing).to(torch.int32).to(device)
+    ids = topk_ids(m, k, e, gen, routing).to(torch.int32).to(device)
     got, want = tm.route(ids, e, tile), mr.route(ids, e, tile)
     for f in ("tile_expert", "row_token", "slot_row"):
         assert torch.equal(getattr(got, f), getattr(want, f)), (f, getattr(got, f))
@@ -52,11 +46,9 @@ def check_pipeline(device):
     gen = torch.Generator().manual_seed(4)
     m, k, e, h, inter = 7, 2, 8, 256, 128
     x = torch.randn(m, h, generator=gen).to(torch.bfloat16)
-    ws = [quantize_weight(torch.randn(n, kk, generator=gen) * 0.05)
-          for _ in range(e) for n, kk in ((2 * inter, h), (h, inter))]
-    w13, s13 = torch.stack([w for w, _ in ws[0::2]]), torch.stack([s for _, s in ws[0::2]])
-    w2, s2 = torch.stack([w for w, _ in ws[1::2]]), torch.stack([s for _, s in ws[1::2]])
-    ids = _ids(m, k, e, gen, "random")
+    w13, s13 = experts(e, 2 * inter, h, gen)
+    w2, s2 = experts(e, h, inter, gen)
+    ids = topk_ids(m, k, e, gen, "random")
     wts = torch.softmax(torch.randn(m, k, generator=gen), 1)
     stages = mr.Stages(tm.route, tm.gather_quant, reference.grouped_gemm, tm.combine)
     args = [t.to(device) for t in (x, w13, s13, w2, s2, wts, ids)]

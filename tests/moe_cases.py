@@ -1,0 +1,30 @@
+"""MoE test data, one definition for the MoE tests: quantized experts and routings."""
+from __future__ import annotations
+
+import torch
+
+import fp64_reference as R
+from fp8linear import quantize_weight
+
+
+def experts(num: int, n: int, k: int, gen: torch.Generator, per_row: bool = False):
+    """``num`` random [n, k] weights in block FP8: (fp8 [num, n, k], fp32 scales [num, ...]),
+    128x128 block scales, or per row (``per_row``)."""
+    ws, ss = [], []
+    for _ in range(num):
+        w, s = quantize_weight(R.random_matrix(n, k, gen, spread=1.0) * 0.05)
+        if per_row:
+            s = s.repeat_interleave(128, 0)[:n].contiguous()
+        ws.append(w)
+        ss.append(s)
+    return torch.stack(ws), torch.stack(ss)
+
+
+def topk_ids(m: int, k: int, e: int, gen: torch.Generator, routing: str) -> torch.Tensor:
+    """int64 [m, k], k distinct experts a token. routing: "random" (uniform over the e
+    experts), "one_expert" (every token to experts 3 .. 3 + k - 1: expert 3 takes them all),
+    "few" (k of the first 3 experts: most experts get no token)."""
+    if routing == "one_expert":
+        return (torch.arange(k) + 3).repeat(m, 1)
+    pool = 3 if routing == "few" else e
+    return torch.stack([torch.randperm(pool, generator=gen)[:k] for _ in range(m)])
