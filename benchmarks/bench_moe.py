@@ -26,6 +26,7 @@ import time
 import torch
 
 import common as C
+import fp8linear
 
 MODELS = {  # experts, top_k, hidden, expert intermediate
     "qwen3_30b_a3b": (128, 8, 2048, 768),
@@ -88,7 +89,6 @@ def vllm_config(e: int, inter: int) -> str:
 
 
 def make_call(method, x, w13, s13, w2, s2, routes):
-    import fp8linear
     if method == "fp8linear_moe":
         return lambda i: fp8linear.fused_moe(x, w13, s13, w2, s2, routes[i][1], routes[i][0])
     if method.startswith("fp8linear_moe@"):  # a plan piece forced (exploration)
@@ -109,7 +109,6 @@ def make_call(method, x, w13, s13, w2, s2, routes):
 
 
 def peak_tflops() -> float:
-    import fp8linear
     m = n = 8192
     k = 4096
     a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
@@ -166,7 +165,6 @@ def main(argv=None) -> int:
             base = outs[methods[0]].float()
             ref = None
             if m <= 64:  # the reference path, for the first call's routing (host loops)
-                import fp8linear
                 ref = fp8linear.moe_reference(x, w13, s13, w2, s2, routes[0][1],
                                               routes[0][0]).float()
             times = C.time_graphs_interleaved(graphs, args.replays)

@@ -149,6 +149,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids):
                       plan.token_tile, stages(plan))
 
 
+@functools.lru_cache(maxsize=None)
 def stages(plan: MoePlan) -> Stages:
     return Stages(triton_moe.route, triton_moe.gather_quant, _grouped_gemm(plan),
                   triton_moe.combine)
