@@ -39,6 +39,10 @@ def _check_sm90_device(index: int) -> None:
     build.device_arch(index)
 
 
+def _require_sm90(device: torch.device) -> None:
+    _check_sm90_device(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _module(name: str):
     if name == "reference":
         return reference
@@ -60,8 +64,7 @@ def backend_for(device: torch.device, m: int, n: int, k: int):
         return reference
     name = forced or _cuda_default(device.index or 0)
     if forced == "sm90":
-        _check_sm90_device(device.index if device.index is not None else
-                           torch.cuda.current_device())
+        _require_sm90(device)
     if name == "sm90" and not sm90_shape_ok(n, k):
         if forced == "sm90":
             from .sm90 import backend as sm90
@@ -78,8 +81,10 @@ def moe_backend(device: torch.device, hidden: int, inter: int, block_scales: boo
     forced = forced_backend()
     if device.type != "cuda" or forced in ("reference", "triton"):
         return "reference"
-    if _cuda_default(device.index or 0) != "sm90" and forced != "sm90":
+    if forced != "sm90" and _cuda_default(device.index or 0) != "sm90":
         return "reference"
+    if forced == "sm90":
+        _require_sm90(device)
     from .sm90 import moe as sm90_moe
     if sm90_moe.supported(hidden, inter, block_scales):
         return "sm90"

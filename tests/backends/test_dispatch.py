@@ -53,6 +53,9 @@ def test_forced_sm90_on_another_gpu_fails_before_launch(monkeypatch):
         with pytest.raises(build.BuildError, match=r"need an sm_90 \(Hopper\) GPU, this one "
                                                    r"is sm_89"):
             dispatch.backend_for(CUDA0, 1, 128, 128)
+        with pytest.raises(build.BuildError, match=r"need an sm_90 \(Hopper\) GPU, this one "
+                                                   r"is sm_89"):
+            dispatch.moe_backend(CUDA0, 2048, 768, True)
     finally:
         dispatch._check_sm90_device.cache_clear()
 
@@ -83,3 +86,20 @@ def test_forced_sm90_rejects_shapes_tma_cannot_take(fake_hopper):
         dispatch.backend_for(CUDA0, 4, 100, 256)
     fake_hopper.setenv("FP8LINEAR_BACKEND", "triton")
     assert dispatch.backend_for(CUDA0, 4, 128, 256) == "triton"
+
+
+def test_moe_backend(monkeypatch):
+    monkeypatch.delenv("FP8LINEAR_BACKEND", raising=False)
+    monkeypatch.setattr(dispatch, "_require_sm90", lambda device: None)  # (a Hopper GPU)
+    assert dispatch.moe_backend(torch.device("cpu"), 2048, 768, True) == "reference"
+    monkeypatch.setenv("FP8LINEAR_BACKEND", "triton")  # (no Triton MoE: the reference)
+    assert dispatch.moe_backend(CUDA0, 2048, 768, True) == "reference"
+    monkeypatch.setenv("FP8LINEAR_BACKEND", "sm90")
+    assert dispatch.moe_backend(CUDA0, 2048, 768, True) == "sm90"
+    with pytest.raises(ValueError, match=re.escape(
+            "the sm90 MoE kernels need hidden % 16 == 0, an expert intermediate size % 128 == 0 "
+            "and 128x128 weight scales; got hidden 2048, intermediate 96")):
+        dispatch.moe_backend(CUDA0, 2048, 96, True)
+    with pytest.raises(ValueError, match=re.escape(
+            "got hidden 2048, intermediate 768, per-row scales")):
+        dispatch.moe_backend(CUDA0, 2048, 768, False)

@@ -147,3 +147,19 @@ def test_fused_moe_under_a_cuda_graph_follows_new_routing():
         g.replay()
         want = fused_moe(x, w13, s13, w2, s2, wts, ids)
         assert torch.equal(out, want)
+
+
+def test_forced_pieces_are_checked_and_restored():
+    from fp8linear.backends.sm90 import moe as sm90_moe
+    with pytest.raises(ValueError, match=r"^token_tile must be one of \(8, 16, 32, 64, 128\), "
+                                         r"got 24$"):
+        with sm90_moe.forced(token_tile=24):
+            pass
+    with pytest.raises(ValueError, match=r"^splits must be >= 1, got 0$"):
+        with sm90_moe.forced(splits=0):
+            pass
+    with sm90_moe.forced(token_tile=64, pdl=False):
+        plan = sm90_moe._apply_forced(moe_plan(1, 8, 128, 2048, 768, 132), 2048, 768)
+        assert (plan.token_tile, plan.pdl, plan.gate_up.ctas_per_sm, plan.rule) == (
+            64, False, 1, "forced")
+    assert sm90_moe._forced == {}
