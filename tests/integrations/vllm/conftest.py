@@ -96,6 +96,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 import tiny_llama  # noqa: E402
+import tiny_moe  # noqa: E402
 
 PROMPT, MAX_TOKENS = tiny_llama.PROMPT, tiny_llama.MAX_TOKENS
 # left in BF16 by `fp8linear quantize --skip` (the checkpoint lists it in ignored_layers)
@@ -128,12 +129,13 @@ def tiny_models(tmp_path_factory) -> dict:
     subprocess.run([sys.executable, "-m", "fp8linear.cli", "quantize", str(bf16),
                     str(fp8_skip), "--quiet", "--skip", SKIPPED_LAYER], check=True, timeout=300)
     ct = tiny_llama.write_compressed_tensors(bf16, root / "ct")
-    moe_bf16 = tiny_llama.write_mixtral_bf16(root / "moe_bf16")
-    moe_fp8 = root / "moe_fp8"
-    subprocess.run([sys.executable, "-m", "fp8linear.cli", "quantize", str(moe_bf16),
-                    str(moe_fp8), "--quiet"], check=True, timeout=300)
-    return {"bf16": bf16, "fp8": fp8, "fp8_skip": fp8_skip, "ct": ct, "moe_fp8": moe_fp8,
-            "root": root}
+    models = {"bf16": bf16, "fp8": fp8, "fp8_skip": fp8_skip, "ct": ct, "root": root}
+    for name, arch in (("mixtral", tiny_moe.MIXTRAL), ("qwen3_moe", tiny_moe.QWEN3_MOE)):
+        moe_bf16 = tiny_moe.write_bf16(root / f"{name}_bf16", arch)
+        subprocess.run([sys.executable, "-m", "fp8linear.cli", "quantize", str(moe_bf16),
+                        str(root / f"{name}_fp8"), "--quiet"], check=True, timeout=300)
+        models[f"{name}_bf16"], models[f"{name}_fp8"] = moe_bf16, root / f"{name}_fp8"
+    return models
 
 
 ENGINE_RUNS = [
@@ -147,10 +149,15 @@ ENGINE_RUNS = [
      "enforce_eager": True},
     {"name": "fp8_skip_eager", "model": "fp8_skip", "quantization": "fp8_blockgemm",
      "enforce_eager": True},
-    # vLLM has no FP8 MoE kernel on CPU: this run ends in vLLM's Fp8MoEMethod (see
-    # test_vllm_engine.test_moe_experts_go_to_vllms_block_fp8_moe_method)
-    {"name": "moe_fp8", "model": "moe_fp8", "quantization": "fp8_blockgemm",
+    # MoE models (test_vllm_moe_engine.py): experts on fp8linear's MoE (the reference on CPU)
+    {"name": "mixtral_fp8_eager", "model": "mixtral_fp8", "quantization": "fp8_blockgemm",
      "enforce_eager": True},
+    {"name": "mixtral_online_eager", "model": "mixtral_bf16", "quantization": "fp8_blockgemm",
+     "enforce_eager": True},
+    {"name": "qwen3_moe_fp8_eager", "model": "qwen3_moe_fp8", "quantization": "fp8_blockgemm",
+     "enforce_eager": True},
+    {"name": "qwen3_moe_fp8_compiled", "model": "qwen3_moe_fp8",
+     "quantization": "fp8_blockgemm", "enforce_eager": False},
 ]
 
 

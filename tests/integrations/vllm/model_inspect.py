@@ -5,12 +5,25 @@ from __future__ import annotations
 
 
 def inspect_model(model):
-    """Every vLLM linear layer with its quant method, weight/scale shapes and call count."""
+    """Every vLLM linear layer with its quant method, weight/scale shapes and call count;
+    every MoE layer with its method, the class of its experts kernel and weight shapes."""
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
     from vllm.model_executor.layers.linear import LinearBase
 
     from fp8linear.quant import dequantize_weight
     rows = []
     for name, mod in model.named_modules():
+        if isinstance(mod, RoutedExperts):
+            qm = mod.quant_method
+            kernel = getattr(qm, "moe_kernel", None)
+            rows.append({
+                "name": name, "cls": type(mod).__name__, "method": type(qm).__name__,
+                "experts": type(kernel.fused_experts).__name__ if kernel else None,
+                "weight": [str(mod.w13_weight.dtype), list(mod.w13_weight.shape),
+                           list(mod.w2_weight.shape)],
+                "scale": [list(getattr(mod, f"w{i}_weight_scale_inv").shape)
+                          for i in (13, 2) if hasattr(mod, f"w{i}_weight_scale_inv")]})
+            continue
         if not isinstance(mod, LinearBase):
             continue
         qm = mod.quant_method

@@ -236,39 +236,3 @@ def expected_digests(model_dir, fp8: str, scale_dtype=None) -> dict:
                                                float(w.abs().sum())]
     return out
 
-
-def write_mixtral_bf16(out_dir, seed: int = 0) -> Path:
-    """A tiny random Mixtral (one layer, 4 experts of 256x256) for the MoE routing check:
-    ``fp8linear quantize`` turns its experts into block FP8 and keeps the router."""
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    h, inter, e, v = 256, 256, 4, 512
-    cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": h,
-           "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "head_dim": 64, "vocab_size": v,
-           "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-           "num_local_experts": e, "num_experts_per_tok": 2, "tie_word_embeddings": False,
-           "torch_dtype": "bfloat16", "hidden_act": "silu", "bos_token_id": 1,
-           "eos_token_id": 2}
-    g = torch.Generator().manual_seed(seed)
-
-    def lin(n, k):
-        return (torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16)
-
-    p = "model.layers.0."
-    sd = {"model.embed_tokens.weight": torch.randn(v, h, generator=g).to(torch.bfloat16),
-          "model.norm.weight": torch.ones(h, dtype=torch.bfloat16), "lm_head.weight": lin(v, h),
-          p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-          p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-          p + "self_attn.q_proj.weight": lin(256, h), p + "self_attn.k_proj.weight": lin(128, h),
-          p + "self_attn.v_proj.weight": lin(128, h), p + "self_attn.o_proj.weight": lin(h, 256),
-          p + "block_sparse_moe.gate.weight": lin(e, h)}
-    for i in range(e):
-        q = f"{p}block_sparse_moe.experts.{i}."
-        sd[q + "w1.weight"], sd[q + "w3.weight"], sd[q + "w2.weight"] = (
-            lin(inter, h), lin(inter, h), lin(h, inter))
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    return out
