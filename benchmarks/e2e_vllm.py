@@ -72,6 +72,10 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # e2e_moe_model, beside this script
+from e2e_moe_model import (QWEN3_30B_A3B, TINY_MOE, write_bf16_config,  # noqa: E402
+                           write_fp8_checkpoint)
+
 ROOT = os.path.dirname(HERE)
 T_START = time.time()
 
@@ -104,8 +108,20 @@ LLAMA8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32
 # --shape tiny: a small model of the same architecture (CPU plumbing checks only)
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
             num_key_value_heads=2, head_dim=64, vocab_size=1024)
+SHAPES = {"llama8b": LLAMA8B, "tiny": TINY, "qwen3_30b_a3b": QWEN3_30B_A3B,
+          "tiny_moe": TINY_MOE}
 MODEL = LLAMA8B
 LP_PROMPT_LEN, LP_GEN = 128, 32       # log-probability sequence: prompt + greedy tokens
+
+
+def is_moe() -> bool:
+    return "num_experts" in MODEL
+
+
+def logprob_reference() -> str:
+    """The engine the others' log-probabilities are compared with: BF16, or for the MoE
+    model (whose BF16 engine runs dummy weights) vLLM's fp8 on the same FP8 checkpoint."""
+    return "fp8_cutlass" if is_moe() else "bf16"
 
 
 def log(*a):
@@ -154,11 +170,23 @@ def build_models(work: str, layers: int, seed: int) -> dict:
             [sys.executable, "-c",
              "import vllm; from vllm import LLM, SamplingParams\n"
              "from vllm.model_executor.models.registry import ModelRegistry as R\n"
-             "print('registry warm:', R._try_inspect_model_cls('LlamaForCausalLM') is not None)"],
+             f"print('registry warm:', R._try_inspect_model_cls({MODEL.get('architectures', ['LlamaForCausalLM'])[0]!r}) is not None)"],
             env=base_env(), stdout=warm_log, stderr=subprocess.STDOUT)
     except Exception as e:  # noqa: BLE001
         log(f"models: registry warm-up not started: {e}")
     t = time.time()
+    if is_moe():
+        write_bf16_config(bf16, MODEL, layers)
+        rec["fp8_bytes"] = write_fp8_checkpoint(fp8, MODEL, layers, seed)
+        rec["build_s"] = round(time.time() - t, 1)
+        rec["bf16"] = "config only: the bf16 engine loads dummy weights"
+        log(f"models: FP8 checkpoint ({rec['fp8_bytes'] / 1e9:.2f} GB) in {rec['build_s']} s")
+        warm_log.close()
+        if warm is not None:
+            warm.wait(timeout=90)
+        with open(stamp, "w") as f:
+            json.dump(rec, f, indent=1)
+        return rec
     rec["bf16_bytes"] = write_bf16_checkpoint(bf16, layers, seed)
     rec["build_s"] = round(time.time() - t, 1)
     log(f"models: BF16 checkpoint ({rec['bf16_bytes'] / 1e9:.2f} GB) in {rec['build_s']} s")
@@ -309,6 +337,8 @@ def worker(spec_path: str) -> int:
               enable_prefix_caching=False, enforce_eager=False, compilation_config=cc)
     if spec["quantization"]:
         kw["quantization"] = spec["quantization"]
+    if spec.get("dummy_weights"):
+        kw["load_format"] = "dummy"
     res["llm_kwargs"] = {k: v for k, v in kw.items()}
     print("E2E_LLM_KWARGS " + json.dumps(res["llm_kwargs"]), flush=True)
     t1 = time.time()
@@ -487,6 +517,7 @@ def run_engine(name, args, work, timeout, tf_tokens) -> dict:
             "gpu_memory_utilization": args.gpu_memory_utilization,
             "soft_deadline": time.time() + timeout - args.reserve_s,
             "vocab": min(128000, MODEL["vocab_size"]),
+            "dummy_weights": is_moe() and ckpt == "bf16",
             "tf_tokens": tf_tokens, "result": os.path.join(work, f"result_{name}.json")}
     spec_path = os.path.join(work, f"spec_{name}.json")
     with open(spec_path, "w") as f:
@@ -527,13 +558,14 @@ def run_engine(name, args, work, timeout, tf_tokens) -> dict:
 
 
 def compare_logprobs(results: dict) -> dict:
-    ref = results.get("bf16")
+    ref_name = logprob_reference()
+    ref = results.get(ref_name)
     out = {}
     if not ref or "tf_logprobs" not in ref:
         return out
     n_prompt = LP_PROMPT_LEN - 1          # tf_logprobs[i] scores seq[i + 1]
     for name, r in results.items():
-        if name == "bf16" or "tf_logprobs" not in r:
+        if name in ("bf16", ref_name) or "tf_logprobs" not in r:
             continue
         # the same sequence scored: the prompt + bf16's greedy tokens, when bf16 ran first in
         # the same invocation; else (bf16 run apart, --merge) the prompt part alone compares.
@@ -814,6 +846,9 @@ def engines(args, models_rec) -> int:
     h = {"benchmark": "e2e_vllm", "date": utc_now(), "command": " ".join(
         [os.path.basename(sys.executable)] + sys.argv), "git_commit": git_commit(), **smi,
         "model": dict(models_rec.get("model", {}), note=(
+            f"Qwen3-30B-A3B's shape, {args.layers} of its 48 layers, seeded random weights "
+            f"(bf16: vLLM's dummy weights); log-probabilities compared with "
+            f"{logprob_reference()} on the same FP8 checkpoint" if is_moe() else
             f"{args.layers} of Llama-3.1-8B's 32 layers (seeded random weights): the 32-layer "
             f"model's load and start-up did not fit this session's device time")),
         "models_build": {k: v for k, v in models_rec.items() if k != "model"},
@@ -834,7 +869,8 @@ def engines(args, models_rec) -> int:
         "skipped": []}
     doc = {"header": h, "engines": {}, "logprobs": {}, "targets": {}}
     slug = device_slug(smi.get("device", ""))
-    name = f"{h['date'][:10]}_e2e_vllm_{slug}.json"
+    shape = f"_{args.shape}" if is_moe() else ""
+    name = f"{h['date'][:10]}_e2e_vllm{shape}_{slug}.json"
     out = args.out or os.path.join(HERE, "results", name)
     if os.path.isdir(out):
         out = os.path.join(out, name)
@@ -911,8 +947,9 @@ def parse_args(argv=None):
     p.add_argument("--build-models", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--work", default="/tmp/e2e_vllm", help="checkpoints, specs, engine logs")
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--shape", default="llama8b", choices=("llama8b", "tiny"),
-                   help=argparse.SUPPRESS)
+    p.add_argument("--shape", default="llama8b", choices=tuple(SHAPES),
+                   help="llama8b (default), qwen3_30b_a3b (MoE: FP8 checkpoint written "
+                        "directly, bf16 on dummy weights); tiny, tiny_moe: CPU plumbing checks")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
                    help=f"comma list of {', '.join(CONFIGS)} (aliases: online, deepgemm, "
@@ -990,8 +1027,7 @@ def main(argv=None) -> int:
         return 0
     if args.merge:
         return merge(args.merge, args.out)
-    if args.shape == "tiny":
-        MODEL = TINY
+    MODEL = SHAPES[args.shape]
     if args.worker:
         return worker(args.worker)
     if args.build_models:
