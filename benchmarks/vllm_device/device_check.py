@@ -4,8 +4,9 @@ usage: python3 benchmarks/vllm_device/device_check.py STEP WORK_DIR OUT_DIR
   engines  tiny Llama (block FP8, compressed-tensors, BF16 quantized online) with CUDA
            graphs + torch.compile against eager, log-probabilities against the BF16 model,
            the FP8 weights each layer holds, a layer-level check that fp8linear's CUDA
-           kernels ran (the torch reference is made to raise), and a tiny Mixtral whose
-           experts run on vLLM's block-FP8 MoE method, against vLLM's own fp8
+           kernels ran (the torch reference is made to raise); tiny Mixtral and Qwen3-MoE
+           models whose experts run on fp8linear's MoE (Fp8BlockGemmExperts) against the
+           transformers + moe_reference model, and against vLLM's own fp8
   memory   peak GPU memory right after loading (vLLM's own measurement) of a Llama-shaped
            model (4 layers, hidden 4096): BF16, block-FP8 checkpoint, BF16 quantized online;
            asserts online <= FP8 model + one BF16 layer + transients
@@ -31,11 +32,13 @@ TESTS = REPO / "tests" / "integrations" / "vllm"
 sys.path.insert(0, str(TESTS))
 
 import tiny_llama  # noqa: E402
+import tiny_moe  # noqa: E402
 from tiny_llama import MAX_TOKENS, PROMPT  # noqa: E402
 
 # same tolerances as the CPU suite (tests/integrations/vllm/test_vllm_engine.py)
 MEAN_TOL, MAX_TOL = 0.35, 1.2
 GRAPH_MEAN_TOL, GRAPH_MAX_TOL = 0.2, 0.6
+MOE_MEAN_TOL, MOE_MAX_TOL = 0.15, 0.6   # tests/integrations/vllm/test_vllm_moe_engine.py
 KERNEL_REL_TOL = 1e-2          # device GEMM vs CPU reference, relative Frobenius
 MEMORY_SLACK = 128 * 2**20     # allocator rounding, quantization slabs, warm-up buffers
 
@@ -77,8 +80,12 @@ def prompt_diff(a, b):
 
 
 def ref_prompt_logprobs(model_dir):
+    return prompt_token_logprobs(tiny_llama.reference_logprobs(model_dir, PROMPT))
+
+
+def prompt_token_logprobs(ref):
+    """[len(PROMPT) - 1]: the log-probability of each prompt token after those before it."""
     import torch
-    ref = tiny_llama.reference_logprobs(model_dir, PROMPT)
     tok = torch.tensor(PROMPT[1:])
     return ref[:-1].gather(1, tok[:, None])[:, 0].tolist()
 
@@ -122,11 +129,14 @@ def tiny_models(work: Path) -> dict:
     ct = work / "tiny" / "ct"
     if not (ct / "config.json").exists():
         tiny_llama.write_compressed_tensors(bf16, ct)
-    moe = work / "tiny" / "moe_bf16"
-    if not (moe / "config.json").exists():
-        tiny_llama.write_mixtral_bf16(moe)
-    return {"bf16": bf16, "fp8": quantize_cli(bf16, work / "tiny" / "fp8"), "ct": ct,
-            "moe_fp8": quantize_cli(moe, work / "tiny" / "moe_fp8")}
+    models = {"bf16": bf16, "fp8": quantize_cli(bf16, work / "tiny" / "fp8"), "ct": ct}
+    for name, arch in (("mixtral", tiny_moe.MIXTRAL), ("qwen3_moe", tiny_moe.QWEN3_MOE)):
+        moe = work / "tiny" / f"{name}_bf16"
+        if not (moe / "config.json").exists():
+            tiny_moe.write_bf16(moe, arch)
+        models[f"{name}_bf16"] = moe
+        models[f"{name}_fp8"] = quantize_cli(moe, work / "tiny" / f"{name}_fp8")
+    return models
 
 
 # --------------------------------------------------------------------------- engines
@@ -143,10 +153,16 @@ def step_engines(work: Path, out: Path) -> int:
              quantization="fp8_blockgemm", enforce_eager=False),
         dict(base, name="ct_graphs", model=str(m["ct"]), quantization="fp8_blockgemm",
              enforce_eager=False),
-        dict(base, name="moe_fp8_blockgemm_graphs", model=str(m["moe_fp8"]),
+        dict(base, name="mixtral_fp8_graphs", model=str(m["mixtral_fp8"]),
              quantization="fp8_blockgemm", enforce_eager=False),
-        dict(base, name="moe_fp8_vllm_graphs", model=str(m["moe_fp8"]), quantization="fp8",
-             enforce_eager=False),
+        dict(base, name="mixtral_online_graphs", model=str(m["mixtral_bf16"]),
+             quantization="fp8_blockgemm", enforce_eager=False),
+        dict(base, name="qwen3_moe_fp8_eager", model=str(m["qwen3_moe_fp8"]),
+             quantization="fp8_blockgemm", enforce_eager=True),
+        dict(base, name="qwen3_moe_fp8_graphs", model=str(m["qwen3_moe_fp8"]),
+             quantization="fp8_blockgemm", enforce_eager=False),
+        dict(base, name="qwen3_moe_fp8_vllm_graphs", model=str(m["qwen3_moe_fp8"]),
+             quantization="fp8", enforce_eager=False),
         dict(base, name="bf16_graphs", model=str(m["bf16"]), quantization=None,
              enforce_eager=False),
     ]
@@ -201,11 +217,22 @@ def step_engines(work: Path, out: Path) -> int:
               "max relative error over layers, M = 3 and 200")
         c.add("torch reference never ran on the GPU", "raises if called", True,
               "all runs above completed with it patched to raise")
-    if ok("moe_fp8_blockgemm_graphs") and ok("moe_fp8_vllm_graphs"):
-        mean, mx = prompt_diff(res["moe_fp8_blockgemm_graphs"]["prompt_logprobs"],
-                               res["moe_fp8_vllm_graphs"]["prompt_logprobs"])
-        c.add("MoE: fp8_blockgemm vs vLLM fp8 (same checkpoint)", f"{mean:.3f} / {mx:.3f}",
-              mean < MEAN_TOL and mx < MAX_TOL, "experts on vLLM's kernels in both")
+    moe_refs = {}
+    for n in ("mixtral_fp8_graphs", "mixtral_online_graphs", "qwen3_moe_fp8_eager",
+              "qwen3_moe_fp8_graphs", "qwen3_moe_fp8_vllm_graphs"):
+        if not ok(n):
+            continue
+        arch = n.split("_fp8")[0].split("_online")[0]
+        if arch not in moe_refs:
+            moe_refs[arch] = prompt_token_logprobs(tiny_moe.reference_logprobs(
+                m[f"{arch}_bf16"], m[f"{arch}_fp8"], PROMPT))
+        experts = [row.get("experts") for row in res[n]["layers"] if "experts" in row]
+        if "vllm" not in n:
+            c.add(f"{n}: experts class", ", ".join(map(str, experts)),
+                  experts == ["Fp8BlockGemmExperts"], "fp8linear's MoE behind vLLM's method")
+        mean, mx = prompt_diff(res[n]["prompt_logprobs"], moe_refs[arch])
+        c.add(f"{n} vs transformers + moe_reference", f"{mean:.3f} / {mx:.3f}",
+              mean < MOE_MEAN_TOL and mx < MOE_MAX_TOL, f"tol {MOE_MEAN_TOL} / {MOE_MAX_TOL}")
     return finish("engines", out, c, res)
 
 

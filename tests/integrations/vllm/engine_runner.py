@@ -27,8 +27,9 @@ import traceback
 
 
 def forbid_reference_backend():
-    """Any call of the torch reference GEMM with CUDA tensors raises: a GPU run that
+    """Any call of the torch reference GEMM or MoE with CUDA tensors raises: a GPU run that
     completes ran our CUDA/Triton kernels only."""
+    from fp8linear import moe
     from fp8linear.backends import reference
 
     def refusing(fn):
@@ -39,6 +40,7 @@ def forbid_reference_backend():
         return call
 
     reference.gemm, reference.linear = refusing(reference.gemm), refusing(reference.linear)
+    moe.moe_reference = refusing(moe.moe_reference)
 
 
 def run_one(spec: dict) -> dict:
