@@ -55,6 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--explore-tiles", default="",
                    help="e.g. 64,128: also fp8linear_moe@t<tile> (token tile forced) at M >= 128")
+    p.add_argument("--explore-prefill", action="store_true",
+                   help="also fp8linear_moe@prefill / @decode (the prefill kernel forced on / "
+                        "off) at M >= 64")
     p.add_argument("--explore-pdl", action="store_true",
                    help="also fp8linear_moe@nopdl (the grouped GEMMs without PDL)")
     p.add_argument("--out", required=True)
@@ -93,8 +96,9 @@ def make_call(method, x, w13, s13, w2, s2, routes):
         return lambda i: fp8linear.fused_moe(x, w13, s13, w2, s2, routes[i][1], routes[i][0])
     if method.startswith("fp8linear_moe@"):  # a plan piece forced (exploration)
         from fp8linear.backends.sm90 import moe as sm90_moe
-        piece = method.split("@")[1]  # t<tile>, or nopdl
-        over = {"pdl": False} if piece == "nopdl" else {"token_tile": int(piece[1:])}
+        piece = method.split("@")[1]  # t<tile>, nopdl, prefill or decode
+        over = ({"pdl": False} if piece == "nopdl" else {"prefill": piece == "prefill"}
+                if piece in ("prefill", "decode") else {"token_tile": int(piece[1:])})
 
         def call(i):
             with sm90_moe.forced(**over):
@@ -157,7 +161,9 @@ def main(argv=None) -> int:
                         2 * m * k * expert_bytes / (header["peak_tflops"] * 1e6))
             graphs, outs = {}, {}
             extra = [f"fp8linear_moe@t{t}" for t in args.explore_tiles.split(",") if t and
-                     m >= 128] + (["fp8linear_moe@nopdl"] if args.explore_pdl else [])
+                     m >= 128] + (["fp8linear_moe@nopdl"] if args.explore_pdl else []) + (
+                ["fp8linear_moe@prefill", "fp8linear_moe@decode"]
+                if args.explore_prefill and m >= 64 else [])
             for meth in methods + extra:
                 call = make_call(meth, x, w13, s13, w2, s2, routes)
                 outs[meth] = call(0)

@@ -166,7 +166,7 @@ struct DecodeCall {
 extern "C" {
 
 // Version of this interface: library.py refuses a library whose version differs.
-FP8L_API int fp8l_abi_version() { return 3; }
+FP8L_API int fp8l_abi_version() { return 4; }
 
 // sizeof of each argument struct: library.py checks its packed layout against them at load.
 FP8L_API int fp8l_arg_size(int entry) {
@@ -190,6 +190,8 @@ FP8L_API const char* fp8l_quant(const QuantCall* c) {
 FP8L_API const char* fp8l_gemm(const GemmCall* c) {
   const auto s = static_cast<cudaStream_t>(const_cast<void*>(c->stream));
   const bool quant_first = c->a_scale_t == nullptr;
+  if (quant_first && c->tile_expert != nullptr)
+    return result("grouped GEMMs take fp8 activations (sorted by expert)", "moe prefill");
   const size_t q_bytes = quant_first ? align16(quant_bytes(c->m, c->k)) : 0;
   Scratch sc;
   cudaError_t e = use_device(c->device);
@@ -230,6 +232,9 @@ FP8L_API const char* fp8l_gemm(const GemmCall* c) {
     g.workspace = reinterpret_cast<float*>(static_cast<uint8_t*>(sc.bytes) + q_bytes);
     g.counters = sc.counters;
   }
+  g.tile_expert = static_cast<const int*>(c->tile_expert);
+  g.experts = c->experts;
+  if (g.tile_expert != nullptr) return result(fp8l::launch_moe_prefill(g, s), "moe prefill");
   return result(fp8l::launch_gemm(g, s), "gemm");
 }
 

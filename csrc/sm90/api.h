@@ -31,10 +31,17 @@ struct GemmArgs {
   int group_m;            // tile order: M units walked before the next N unit (>= 1)
   float* workspace;       // split-tail configs: fp32 [num_sms * BM * BN] (a partial tile a CTA)
   int* counters;          // split-tail configs: int32 [tiles], zero; the kernel leaves them zero
+  // Grouped (mixture of experts, launch_moe_prefill): w [experts, N, K], a the tokens sorted by
+  // expert in 128-row tiles, tile_expert [M / 128] each tile's expert (-1: unused); out may be
+  // fp32. Dense: nullptr and 1.
+  const int* tile_expert;
+  int experts;
 };
 
 // Large-M persistent TMA + wgmma kernel. Returns "" on success, else the error.
 std::string launch_gemm(const GemmArgs& args, cudaStream_t stream);
+// The grouped expert GEMM for many tokens an expert (sm90/gemm.cu, the large-M kernel).
+std::string launch_moe_prefill(const GemmArgs& args, cudaStream_t stream);
 
 // Per-token, per-128-channel activation quantization:
 // x [M, K] (bf16/fp16/fp32) -> q [M, K] fp8, scale_t [num_kb, scale_ld] fp32.

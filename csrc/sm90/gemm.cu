@@ -60,7 +60,7 @@ int max_cluster_ctas(int cluster, int smem, int threads, int num_sms) {
 }
 
 template <int BM, int BN, int STAGES, int CLUSTER, bool kShareA, bool kPerRow, bool kLean,
-          bool kQueueNext, bool kSplitTail, typename OutT>
+          bool kQueueNext, bool kSplitTail, typename OutT, bool kGrouped = false>
 std::string launch(const GemmArgs& g, cudaStream_t stream) {
   using L = GemmSmem<BM, BN, STAGES, kSplitTail>;
   static_assert(L::kAlloc <= kSmemOneCtaPerSm, "shared memory over the sm_90 limit");
@@ -81,7 +81,9 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   if (!(e = make_tensor_map_2d(&ta, g.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, g.M, g.K, g.K,
                                kShareA ? a_half : a_rows, kBlockK, sw128)).empty())
     return e;
-  if (!(e = make_tensor_map_2d(&tb, g.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, g.N, g.K, g.K,
+  // grouped: every expert's weights, [experts * N, K]
+  const int w_rows = kGrouped ? g.experts * g.N : g.N;
+  if (!(e = make_tensor_map_2d(&tb, g.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, w_rows, g.K, g.K,
                                kShareA ? BN : BN / CLUSTER, kBlockK, sw128)).empty())
     return e;
   // token columns past M read as zero (their A rows are zero too): the scales may be a view
@@ -96,12 +98,15 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   // 32 columns 64B-swizzled, narrow tiles (BN <= 32, 48) one unswizzled box of BN columns
   const auto out_swizzle = L::kOneBox ? CU_TENSOR_MAP_SWIZZLE_NONE
                            : L::kBoxCols == 32 ? CU_TENSOR_MAP_SWIZZLE_64B : sw128;
-  if (!(e = make_tensor_map_2d(&tc, g.out, out_type, 2, g.M, g.N, g.N, 64, L::kBoxCols,
+  // (fp32 outputs are stored from registers: no tensor map)
+  if (sizeof(OutT) == 2 &&
+      !(e = make_tensor_map_2d(&tc, g.out, out_type, 2, g.M, g.N, g.N, 64, L::kBoxCols,
                                out_swizzle)).empty())
     return e;
+  if (sizeof(OutT) == 4) tc = CUtensorMap{};
 
   constexpr auto kernel = fp8_gemm_kernel<BM, BN, STAGES, CLUSTER, kShareA, kPerRow, kLean,
-                                          kQueueNext, kSplitTail, OutT>;
+                                          kQueueNext, kSplitTail, OutT, kGrouped>;
   constexpr int kThreads = L::kThreads;
   cudaError_t err = ensure_smem_limit<kernel>(L::kAlloc);
   if (err != cudaSuccess) return cudaGetErrorString(err);
@@ -124,10 +129,11 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
       uint32_t((kShareA ? 2 * a_half : a_rows) * kBlockK + L::kBBytes + sa_cols * 4);
   // (the split tail requests no early weight stages: it runs from 512 tokens, where none are
   // asked)
-  const int early_b = kSplitTail ? 0 : g.early_b;
+  // (nor does the grouped GEMM: its first weights depend on the tile's expert)
+  const int early_b = kSplitTail || kGrouped ? 0 : g.early_b;
   GemmParams p{g.M,         g.N,     g.K,     num_kb, g.w_scale, g.bias, g.bias_f32,
                stage_bytes, early_b, g.group_m > 1 ? g.group_m : 1,     a_half,
-               g.workspace, g.counters};
+               g.workspace, g.counters, g.tile_expert, g.out};
   cudaLaunchAttribute attr[2];
   cudaLaunchConfig_t cfg = cluster_launch(grid, kThreads, L::kAlloc, stream, CLUSTER, attr);
   if (g.pdl) attr[cfg.numAttrs++] = pdl_attribute();
@@ -161,6 +167,32 @@ std::string dispatch_config(const GemmArgs& g, cudaStream_t stream) {
 }
 
 }  // namespace
+
+// The prefill expert GEMM of a mixture-of-experts layer (gemm_kernel.cuh: kGrouped) on the
+// tile of configuration kMoePrefillConfig: fp8 a sorted by expert in M blocks of 128 rows,
+// each block's expert in tile_expert, w [experts, N, K] with 128x128 scales.
+std::string launch_moe_prefill(const GemmArgs& g, cudaStream_t stream) {
+  constexpr Config c = kConfigs[kMoePrefillConfig];
+  static_assert(c.bm == 128 && c.bn == 128 && c.cluster == 1 && !c.share_a && !c.queue_next &&
+                    !c.split_tail,
+                "the grouped kernel runs single 128x128 CTAs");
+  if (g.M <= 0 || g.N <= 0 || g.K <= 0 || g.experts <= 0) return "empty problem";
+  if (g.tile_expert == nullptr) return "grouped GEMMs need tile_expert";
+  if (g.a_scale_t == nullptr) return "grouped GEMMs take fp8 activations (sorted by expert)";
+  if (g.M % c.bm != 0) return "M must be whole 128-row token tiles";
+  if (g.N % c.bn != 0 || g.K % 16 != 0) return "N must be a multiple of 128 and K of 16";
+  if (g.a_scale_ld % 4 != 0 || g.a_scale_ld < g.M) return "a_scale_ld must be >= M and % 4";
+  if (g.w_scale_per_row || g.bias != nullptr) return "grouped GEMMs take block scales, no bias";
+  constexpr int st = c.stages;
+  if (g.out_dtype == kOutBF16)
+    return launch<128, 128, st, 1, false, false, false, false, false, __nv_bfloat16, true>(
+        g, stream);
+  if (g.out_dtype == kOutFP16)
+    return launch<128, 128, st, 1, false, false, false, false, false, __half, true>(g, stream);
+  if (g.out_dtype == kOutFP32)
+    return launch<128, 128, st, 1, false, false, false, false, false, float, true>(g, stream);
+  return "outputs are bf16, fp16 or fp32";
+}
 
 std::string launch_gemm(const GemmArgs& g, cudaStream_t stream) {
   if (g.M <= 0 || g.N <= 0 || g.K <= 0) return "empty problem";

@@ -69,6 +69,8 @@ struct GemmParams {
   int a_half;            // kShareA: rows of A each CTA of the pair loads and multicasts
   float* workspace;      // kSplitTail: fp32 partial tiles, one slot a CTA
   int* counters;         // kSplitTail: one per tile, zero between launches (the last CTA resets)
+  const int* tile_expert;  // kGrouped: the expert of each BM-row M block, -1: unused
+  void* out;               // kGrouped fp32 outputs: [M, N], stored from registers
 };
 
 // bias[n], bias[n + 1] as floats, from the output dtype or fp32
@@ -162,8 +164,12 @@ struct SplitTail {
 // for the math warpgroup: 59K of the SM's 64K) it waits for them to leave the SM
 // (docs/tuning.md: gemm-lean).
 // kQueueNext: two math warpgroups keep two partial accumulators as one does (below).
+// kGrouped (the prefill expert GEMM of a mixture-of-experts layer, sm90/moe.cu): A holds the
+// tokens sorted by expert in M blocks of BM rows, B [experts * N, K] every expert's weights;
+// M block mb multiplies expert tile_expert[mb]'s N rows, blocks of -1 are skipped by every
+// role alike. fp32 outputs (OutT = float) are stored from registers.
 template <int BM, int BN, int STAGES, int CLUSTER, bool kShareA, bool kPerRowB, bool kLean,
-          bool kQueueNext, bool kSplitTail, typename OutT>
+          bool kQueueNext, bool kSplitTail, typename OutT, bool kGrouped = false>
 __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 : 1)
     fp8_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,   // [M, K] fp8
                     const __grid_constant__ CUtensorMap tmap_b,   // [N, K] fp8
@@ -183,6 +189,11 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
   static_assert(!kQueueNext || (BM == 128 && BN <= 128), "queued K blocks: 64 registers a partial");
   static_assert(!kSplitTail || (BM == 128 && CLUSTER == 1 && !kQueueNext),
                 "split tail: single CTAs, one 64-row wave a warpgroup, one partial");
+  static_assert(!kGrouped || (BM == 128 && BN == 128 && CLUSTER == 1 && !kPerRowB &&
+                              !kSplitTail && !kLean),
+                "grouped: single CTAs of 128x128 tiles, block scales");
+  constexpr bool kF32Out = sizeof(OutT) == 4;
+  static_assert(!kF32Out || kGrouped, "fp32 outputs: the grouped expert GEMM only");
   // 128x128 weight-scale blocks: a BN-column tile lies in one block when BN divides 128,
   // else (BN = 48, 96, 160, 192) it can straddle two; the boundary falls on a 32-column
   // multiple (64 for BN = 192; 16 or 32 for BN = 48).
@@ -222,7 +233,13 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
   const int num_units = num_um * num_un;                                          \
   const int rank = CLUSTER > 1 ? int(cluster_ctarank()) : 0;                      \
   const int first_unit = blockIdx.x / CLUSTER;                                    \
-  const int unit_stride = gridDim.x / CLUSTER;
+  const int unit_stride = gridDim.x / CLUSTER;                                    \
+  /* kGrouped: unit u's expert (M block = unit, with single CTAs), -1: skipped */  \
+  [[maybe_unused]] auto unit_expert = [&](int u) {                                \
+    int um, un;                                                                   \
+    tile_coords(u, num_um, num_un, p.group_m, um, un);                            \
+    return kGrouped ? __ldg(p.tile_expert + um) : 0;                              \
+  };
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -240,7 +257,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
     tma_prefetch_desc(&tmap_a);
     tma_prefetch_desc(&tmap_b);
     tma_prefetch_desc(&tmap_sa);
-    tma_prefetch_desc(&tmap_c);
+    if constexpr (!kF32Out) tma_prefetch_desc(&tmap_c);
   }
   // The peer multicasts into our ring and arrives on our barriers: they must exist first.
   if constexpr (CLUSTER > 1) cluster_sync();
@@ -273,9 +290,10 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
           mb = kShareA ? um : min(um * CLUSTER + rank, num_m - 1);
           nb = kShareA ? min(un * CLUSTER + rank, num_n - 1) : un;
         };
-        auto load_b = [&](int st, int kb, int nb) {
+        auto load_b = [&](int st, int kb, int nb, int expert) {
           if constexpr (CLUSTER == 1 || kShareA) {
-            tma_load_2d(sB + st * L::kBBytes, &tmap_b, &full[st], kb * kBlockK, nb * BN, keep_b);
+            tma_load_2d(sB + st * L::kBBytes, &tmap_b, &full[st], kb * kBlockK,
+                        expert * p.N + nb * BN, keep_b);
           } else {
             constexpr int kHalf = BN / CLUSTER;
             tma_load_2d_multicast(sB + st * L::kBBytes + rank * kHalf * kBlockK, &tmap_b,
@@ -287,16 +305,16 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
         // nothing ran yet; their full barriers count these bytes once the arrival below
         // expects them). Activations (and their scales) wait for the previous kernel.
         int early = 0;
-        if (!kSplitTail && p.early_b > 0 && first_unit < num_units) {
+        if (!kSplitTail && !kGrouped && p.early_b > 0 && first_unit < num_units) {
           int mb, nb;
           unit_mn(first_unit, mb, nb);
           early = min(min(STAGES, p.num_kb), p.early_b);
-          for (int kb = 0; kb < early; ++kb) load_b(kb, kb, nb);
+          for (int kb = 0; kb < early; ++kb) load_b(kb, kb, nb, 0);
         }
         pdl_wait();
         // K block kb of the tile at row0 / nb into the next stage (its weights too unless they
         // went out early)
-        auto stage = [&](int kb, int row0, int nb, bool with_b) {
+        auto stage = [&](int kb, int row0, int nb, int expert, bool with_b) {
           mbar_wait(&empty[s], phase ^ 1);
           if constexpr (CLUSTER == 1 || !kShareA) {
             tma_load_2d(sA + s * L::kABytes, &tmap_a, &full[s], kb * kBlockK, row0, keep);
@@ -306,7 +324,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
             tma_load_2d_multicast(sA + s * L::kABytes + rank * p.a_half * kBlockK, &tmap_a,
                                   &full[s], kb * kBlockK, row0 + rank * p.a_half, kBoth, keep);
           }
-          if (with_b) load_b(s, kb, nb);
+          if (with_b) load_b(s, kb, nb, expert);
           tma_load_2d(sSA + s * BM, &tmap_sa, &full[s], row0, kb, keep);
           // The copies go out first, then the arrival that expects their bytes (the barrier
           // cannot complete before it): faster than arriving first (docs/tuning.md:
@@ -321,16 +339,18 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
         for (int u = first_unit; u < dp_end; u += unit_stride) {
           int mb, nb;
           unit_mn(u, mb, nb);
-          const int row0 = kSplitTail ? mb * BM : tile_row0<BM>(mb, p.M);
+          const int expert = unit_expert(u);
+          if (expert < 0) continue;
+          const int row0 = kSplitTail || kGrouped ? mb * BM : tile_row0<BM>(mb, p.M);
           for (int kb = 0; kb < p.num_kb; ++kb)
-            stage(kb, row0, nb, u != first_unit || kb >= early);
+            stage(kb, row0, nb, expert, u != first_unit || kb >= early);
         }
         if (kSplitTail && int(blockIdx.x) < st.tail * st.parts) {  // this CTA's tail part
           const int part = blockIdx.x / st.tail;
           int mb, nb;
           unit_mn(st.dp_end + blockIdx.x % st.tail, mb, nb);
           for (int kb = st.kb(part, p.num_kb); kb < st.kb(part + 1, p.num_kb); ++kb)
-            stage(kb, mb * BM, nb, true);
+            stage(kb, mb * BM, nb, 0, true);
         }
         // PDL (a no-op without it): the next kernel may launch once every CTA of ours has
         // issued its last loads (one thread's call counts for its CTA); it waits for our
@@ -384,9 +404,11 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
           const int kb = kb0 + lane;
           if (u < num_units && kb < p.num_kb) {
             const int blk = tile_nb(u) * BN / 128;  // the first 128-row block (and blk + 1)
-            lo = __ldg(p.w_scale + size_t(blk) * p.num_kb + kb);
+            const float* ws = p.w_scale;
+            if constexpr (kGrouped) ws += size_t(unit_expert(u)) * num_nblk * p.num_kb;
+            lo = __ldg(ws + size_t(blk) * p.num_kb + kb);
             if (kTwoBlocks && blk + 1 < num_nblk)
-              hi = __ldg(p.w_scale + size_t(blk + 1) * p.num_kb + kb);
+              hi = __ldg(ws + size_t(blk + 1) * p.num_kb + kb);
           }
         };
         // stage s's block scales from lane j of (lo, hi)
@@ -404,12 +426,18 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
         // whole tiles (with kSplitTail those below dp_end)
         const SplitTail st(num_units, p.num_kb, gridDim.x);
         const int dp_end = kSplitTail ? st.dp_end : num_units;
-        int u = first_unit, kb0 = 0;
+        // kGrouped: the next unit from u on that is not skipped
+        auto next_unit = [&](int u) {
+          if constexpr (kGrouped)
+            while (u < num_units && unit_expert(u) < 0) u += unit_stride;
+          return u;
+        };
+        int u = next_unit(first_unit), kb0 = 0;
         float lo, hi;
         fetch(u, kb0, lo, hi);
         while (u < dp_end) {
           int nu = u, nkb0 = kb0 + 32;
-          if (nkb0 >= p.num_kb) nu += unit_stride, nkb0 = 0;
+          if (nkb0 >= p.num_kb) nu = next_unit(nu + unit_stride), nkb0 = 0;
           float nlo, nhi;
           fetch(nu, nkb0, nlo, nhi);  // in flight while this batch is handed out
           const int kb_end = min(kb0 + 32, p.num_kb);
@@ -621,6 +649,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
       tile_coords(u, num_um, num_un, p.group_m, um, un);
       const int mb = kShareA ? um : um * CLUSTER + rank;
       const int nb = kShareA ? un * CLUSTER + rank : un;
+      if (kGrouped && __ldg(p.tile_expert + mb) < 0) continue;
       // columns [0, boundary) of this tile use the first weight-scale block, the rest the next
       const int boundary = 128 * (nb * BN / 128 + 1) - nb * BN;
 #pragma unroll
@@ -715,6 +744,22 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
       }
 
       // ------------------------------------------------------------------------ epilogue
+      if constexpr (kF32Out) {
+        // fp32 (grouped): each thread's column pairs straight from registers (4 lanes write a
+        // row's 32 contiguous bytes); the tile lies inside [M, N] (whole M blocks, N % BN == 0)
+        float* out = static_cast<float*>(p.out);
+#pragma unroll
+        for (int w = 0; w < kWaves; ++w)
+#pragma unroll
+          for (int j = 0; j < kRegs / 4; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int r = mb * BM + wave_row(w) + row_in_wg + 8 * h;
+              *reinterpret_cast<float2*>(out + size_t(r) * p.N + nb * BN + 8 * j + col_q) =
+                  make_float2(acc[w][4 * j + 2 * h], acc[w][4 * j + 2 * h + 1]);
+            }
+        continue;
+      } else {
       const bool wg_leader = threadIdx.x % 128 == 0;
       if (wg_leader) tma_store_wait_read();  // the previous tile's store has left smem
       named_barrier(1 + wg, 128);
@@ -770,9 +815,11 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
           for (int cb = 0; cb < BN / kBoxCols; ++cb)
             tma_store_2d(&tmap_c, sOut + wave_row(w) * BN * 2 + cb * 64 * kBoxCols * 2,
                          nb * BN + cb * kBoxCols,
-                         (kSplitTail ? mb * BM : tile_row0<BM>(mb, p.M)) + wave_row(w));
+                         (kSplitTail || kGrouped ? mb * BM : tile_row0<BM>(mb, p.M)) +
+                             wave_row(w));
         tma_store_commit();
       }
+      }  // (16-bit outputs)
     }
     if (threadIdx.x % 128 == 0) tma_store_wait_all();
   }

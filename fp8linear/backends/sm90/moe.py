@@ -1,6 +1,8 @@
-"""The Hopper MoE layer: the grouped expert GEMM (csrc/sm90/moe.cu: the decode kernel over
-every active expert's weights in one launch) with the Triton kernels of the stages between
-(backends/triton/moe.py), in fp8linear.moe_routing's pipeline.
+"""The Hopper MoE layer: the grouped expert GEMMs with the Triton kernels of the stages
+between (backends/triton/moe.py), in fp8linear.moe_routing's pipeline. Two grouped GEMMs:
+few tokens an expert run the decode kernel over every active expert's weights in one launch
+(csrc/sm90/moe.cu); 128-token tiles run the persistent large-M kernel over the experts'
+tiles (csrc/sm90/gemm.cu: launch_moe_prefill).
 
 ``moe_plan`` picks the token tile and each GEMM's K splits by ordered rules (ids and reasons
 below, measurements in docs/tuning.md), from the shapes alone: routing is not known on the
@@ -21,11 +23,13 @@ from ...quant import BLOCK, cdiv
 from ..triton import moe as triton_moe
 from . import library
 from .plan import DECODE_TWO_PER_SM_MAX_BT as TWO_PER_SM_MAX_BT
-from .tiles import DECODE_TILES
+from .tiles import DECODE_TILES, GEMM_TILES, MOE_PREFILL_CONFIG
 
 ROWS = 128  # weight rows a CTA owns (moe.cu instantiates 128-row CTAs only)
+PREFILL_TILE = GEMM_TILES[MOE_PREFILL_CONFIG].bm  # token tile of the prefill kernel
 TILE_2X_MIN_HIDDEN = 4096
 TILE_2X_MIN_TOKENS = 16
+PREFILL_MIN_TOKENS = 48
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,7 @@ class MoePlan:
     gate_up: GroupedGemmPlan
     down: GroupedGemmPlan
     pdl: bool = True         # moe-pdl: the GEMMs stream their weights under the kernel before
+    prefill: bool = False    # moe-prefill: both GEMMs on the persistent large-M kernel
     rule: str = dataclasses.field(default="", compare=False)
 
     @property
@@ -64,6 +69,13 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
         # moe-token-tile-2x: wide experts with >= 16 tokens each take a tile of twice that,
         # so that the experts routed more than the mean still stream their weights once
         want, rule = 2 * per_expert, "moe-token-tile-2x"
+    # moe-prefill: from 48 expected tokens an active expert, 128-token tiles on the persistent
+    # large-M kernel (tensor-core bound there: its 128x128 tiles, deep pipeline and one wave
+    # of CTAs walking all the experts' tiles beat the decode kernel's one-tile CTAs, padding
+    # included)
+    prefill = per_expert >= PREFILL_MIN_TOKENS and prefill_takes(hidden, inter)
+    if prefill:
+        want, rule = PREFILL_TILE, "moe-prefill"
     config = next((i for i, t in enumerate(DECODE_TILES) if t >= want), len(DECODE_TILES) - 1)
     bt = DECODE_TILES[config]
     tiles = active * cdiv(per_expert, bt)
@@ -81,23 +93,33 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
     # the kernel before it (gather + quant, SiLU-and-mul + quant) runs: the routing that chose
     # the experts (tile_expert) finished before that kernel started, which no PDL launch
     # precedes. It reads its activations after griddepcontrol.wait.
-    return MoePlan(config, gemm(2 * inter, hidden), gemm(hidden, inter), True,
-                   rule + "+moe-split-fill+moe-pdl")
+    return MoePlan(config, gemm(2 * inter, hidden), gemm(hidden, inter), True, prefill,
+                   rule + ("+moe-pdl" if prefill else "+moe-split-fill+moe-pdl"))
+
+
+def prefill_takes(hidden: int, inter: int) -> bool:
+    """Whether the prefill kernel takes both GEMMs: whole 128-column tiles of outputs."""
+    tile_n = GEMM_TILES[MOE_PREFILL_CONFIG].bn
+    return hidden % tile_n == 0 and 2 * inter % tile_n == 0
 
 
 _forced: dict = {}
 
 
 @contextlib.contextmanager
-def forced(token_tile: int | None = None, splits: int | None = None, pdl: bool | None = None):
-    """Overrides the rules' token tile, both GEMMs' K splits, PDL (benchmarks, tests)."""
+def forced(token_tile: int | None = None, splits: int | None = None, pdl: bool | None = None,
+           prefill: bool | None = None):
+    """Overrides the rules' token tile, both GEMMs' K splits, PDL and the prefill kernel (which
+    takes 128-token tiles only) (benchmarks, tests)."""
     if token_tile is not None and token_tile not in DECODE_TILES:
         raise ValueError(f"token_tile must be one of {DECODE_TILES}, got {token_tile}")
     if splits is not None and splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
+    if prefill and token_tile not in (None, PREFILL_TILE):
+        raise ValueError(f"the prefill kernel takes {PREFILL_TILE}-token tiles, got {token_tile}")
     old = dict(_forced)
     _forced.update({k: v for k, v in (("token_tile", token_tile), ("splits", splits),
-                                      ("pdl", pdl)) if v is not None})
+                                      ("pdl", pdl), ("prefill", prefill)) if v is not None})
     try:
         yield
     finally:
@@ -107,15 +129,21 @@ def forced(token_tile: int | None = None, splits: int | None = None, pdl: bool |
 
 def _apply_forced(plan: MoePlan, hidden: int, inter: int) -> MoePlan:
     config = plan.config
+    prefill = _forced.get("prefill", plan.prefill)
+    if prefill and not prefill_takes(hidden, inter):
+        raise ValueError(f"the prefill kernel needs hidden and 2 * intermediate multiples of "
+                         f"{GEMM_TILES[MOE_PREFILL_CONFIG].bn}, got {hidden}, {inter}")
     if "token_tile" in _forced:
         config = DECODE_TILES.index(_forced["token_tile"])
+    if prefill:
+        config = DECODE_TILES.index(PREFILL_TILE)
     bt = DECODE_TILES[config]
 
     def g(old: GroupedGemmPlan, k: int) -> GroupedGemmPlan:
         splits = min(_forced.get("splits", old.splits), cdiv(k, BLOCK))
         return GroupedGemmPlan(splits, 2 if bt <= TWO_PER_SM_MAX_BT else 1)
     return MoePlan(config, g(plan.gate_up, hidden), g(plan.down, inter),
-                   _forced.get("pdl", plan.pdl), "forced")
+                   _forced.get("pdl", plan.pdl), prefill, "forced")
 
 
 def supported(hidden: int, inter: int, block_scales: bool) -> bool:
@@ -125,6 +153,11 @@ def supported(hidden: int, inter: int, block_scales: bool) -> bool:
 
 
 def _grouped_gemm(plan: MoePlan):
+    if plan.prefill:
+        def prefill(a, a_scale, w, w_scale, r: Routing, out, which: int):
+            library.load().grouped_prefill(a, a_scale, w, w_scale, out, r.tile_expert, plan.pdl)
+        return prefill
+
     def run(a, a_scale, w, w_scale, r: Routing, out, which: int):
         g = plan.gate_up if which == 0 else plan.down
         tiles = cdiv(w.shape[1], ROWS) * r.tile_expert.shape[0]

@@ -14,7 +14,7 @@ Covers both sm90 paths as fp8linear.backends.sm90.plan.choose picks them (decode
 split-K, fused quant, M <= 32; large M: quant kernel + TMA/wgmma GEMM), tails in M, N and K
 (partial last scale blocks), both weight-scale granularities, bias, bf16 and fp16 outputs,
 block_fp8_gemm and fp8_linear; then the MoE layer (fused_moe: routing, the grouped expert
-GEMMs with and without split K, token tiles of 8 to 128) on MOE_CASES. Data and references are made on the CPU, so the GPU runs little
+GEMMs with and without split K, token tiles of 8 to 128, and the prefill kernel) on MOE_CASES. Data and references are made on the CPU, so the GPU runs little
 besides our kernels (and the instrumented run stays short). Exit code 0 only if every result
 is right. --configs i,j runs the cases again with each large-M configuration i, j forced
 (plan.forced(gemm_config=i): the cluster and 128x192 configurations are not picked for shapes
@@ -61,7 +61,8 @@ MOE_CASES = [
     (1, 8, 2, 256, 128, torch.bfloat16),
     (5, 16, 4, 208, 256, torch.float16),
     (40, 4, 2, 384, 128, torch.bfloat16),
-    (300, 8, 2, 256, 128, torch.bfloat16),
+    (300, 8, 2, 256, 128, torch.bfloat16),   # >= 48 tokens an expert: the prefill kernel
+    (200, 8, 2, 256, 256, torch.bfloat16),   # prefill again (an even index: also in --quick)
 ]
 QUICK = [0, 2, 5, 6, 7]   # racecheck is slow on warp-specialized kernels: fewer cases
 # decode plans forced for the decode cases under --configs all (plan.forced pieces)

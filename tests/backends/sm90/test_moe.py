@@ -28,14 +28,14 @@ def test_expected_active_experts():
 
 @pytest.mark.parametrize("model,m,tile", [
     ("qwen3_30b_a3b", 1, 8), ("qwen3_30b_a3b", 64, 8), ("qwen3_30b_a3b", 256, 16),
-    ("qwen3_30b_a3b", 4096, 128), ("mixtral_8x7b", 1, 8), ("mixtral_8x7b", 16, 8),
-    ("mixtral_8x7b", 64, 32), ("mixtral_8x7b", 1024, 128), ("deepseek_v3", 16, 8),
+    ("mixtral_8x7b", 1, 8), ("mixtral_8x7b", 16, 8), ("mixtral_8x7b", 64, 32),
+    ("deepseek_v3", 16, 8), ("deepseek_v3", 1024, 64),
     ("mixtral_8x7b", 16, 8), ("mixtral_8x7b", 128, 64), ("deepseek_v3", 512, 32),
     ("qwen3_235b_a22b", 256, 32), ("qwen3_30b_a3b", 512, 32)])
 def test_token_tile_holds_an_experts_expected_tokens(model, m, tile):
     e, k, h, i = MODELS[model]
     plan = moe_plan(m, k, e, h, i, 132)
-    assert plan.token_tile == tile and "moe-token-tile" in plan.rule
+    assert plan.token_tile == tile and "moe-token-tile" in plan.rule and not plan.prefill
     # wide experts with >= 16 tokens each: twice the tokens (moe-token-tile-2x)
     assert ("moe-token-tile-2x" in plan.rule) == (h >= 4096 and m * k / min(e, m * k) >= 15.9)
 
@@ -64,7 +64,15 @@ GPU_CASES = [  # (M, E, top_k, H, I, routing, dtype)
     (40, 8, 2, 384, 256, "one_expert", torch.bfloat16),     # one expert takes every token
     (24, 32, 2, 256, 384, "few", torch.float16),            # most experts get no token
     (64, 16, 4, 1024, 256, "random", torch.bfloat16),       # split K
-    (300, 8, 2, 512, 512, "random", torch.bfloat16),        # many tokens an expert, 128-tiles
+    (300, 8, 2, 512, 512, "random", torch.bfloat16),        # many tokens an expert: prefill
+]
+# the prefill kernel forced where the rules would not pick it: one token, many unused tiles,
+# one expert taking every token, fp16
+PREFILL_CASES = [
+    (1, 8, 2, 256, 128, "random", torch.bfloat16),
+    (24, 32, 2, 256, 384, "few", torch.float16),
+    (200, 8, 2, 384, 256, "one_expert", torch.bfloat16),
+    (96, 16, 4, 1024, 256, "random", torch.float16),
 ]
 
 
@@ -92,6 +100,18 @@ def _check_grouped(calls):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,e,top_k,h,inter,routing,dtype", GPU_CASES)
 def test_fused_moe_matches_fp64(m, e, top_k, h, inter, routing, dtype, monkeypatch):
+    _check_case(m, e, top_k, h, inter, routing, dtype, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,e,top_k,h,inter,routing,dtype", PREFILL_CASES)
+def test_prefill_kernel_matches_fp64(m, e, top_k, h, inter, routing, dtype, monkeypatch):
+    from fp8linear.backends.sm90 import moe as sm90_moe
+    with sm90_moe.forced(prefill=True):
+        _check_case(m, e, top_k, h, inter, routing, dtype, monkeypatch, prefill=True)
+
+
+def _check_case(m, e, top_k, h, inter, routing, dtype, monkeypatch, prefill=None):
     from fp8linear.backends.sm90 import moe as sm90_moe
     assert dispatch.moe_backend(torch.device("cuda"), h, inter, True) == "sm90"
     gen = torch.Generator().manual_seed(m * 131 + e)
@@ -103,6 +123,8 @@ def test_fused_moe_matches_fp64(m, e, top_k, h, inter, routing, dtype, monkeypat
     calls, real = [], sm90_moe.stages
 
     def spied(plan):  # record each grouped GEMM's inputs and output
+        if prefill is not None:
+            assert plan.prefill == prefill
         st = real(plan)
 
         def gemm(a, a_scale, w, w_scale, r, out, which):
@@ -130,7 +152,14 @@ def test_fused_moe_matches_fp64(m, e, top_k, h, inter, routing, dtype, monkeypat
 
 
 @pytest.mark.gpu
-def test_fused_moe_under_a_cuda_graph_follows_new_routing():
+@pytest.mark.parametrize("prefill", [False, True])
+def test_fused_moe_under_a_cuda_graph_follows_new_routing(prefill):
+    from fp8linear.backends.sm90 import moe as sm90_moe
+    with sm90_moe.forced(prefill=prefill):
+        _graph_follows_routing()
+
+
+def _graph_follows_routing():
     gen = torch.Generator().manual_seed(3)
     m, e, k, h, inter = 4, 32, 4, 256, 256
     x = R.random_matrix(m, h, gen, spread=1.0).to(torch.bfloat16).cuda()
@@ -162,4 +191,26 @@ def test_forced_pieces_are_checked_and_restored():
         plan = sm90_moe._apply_forced(moe_plan(1, 8, 128, 2048, 768, 132), 2048, 768)
         assert (plan.token_tile, plan.pdl, plan.gate_up.ctas_per_sm, plan.rule) == (
             64, False, 1, "forced")
+    with pytest.raises(ValueError, match=r"^the prefill kernel takes 128-token tiles, got 64$"):
+        with sm90_moe.forced(token_tile=64, prefill=True):
+            pass
+    with sm90_moe.forced(prefill=True):
+        plan = sm90_moe._apply_forced(moe_plan(1, 8, 128, 2048, 768, 132), 2048, 768)
+        assert (plan.prefill, plan.token_tile) == (True, 128)
+        with pytest.raises(ValueError, match=r"^the prefill kernel needs hidden and 2 \* "
+                                             r"intermediate multiples of 128, got 2080, 768$"):
+            sm90_moe._apply_forced(moe_plan(1, 8, 128, 2080, 768, 132), 2080, 768)
     assert sm90_moe._forced == {}
+
+
+@pytest.mark.parametrize("model, m, prefill", [
+    ("qwen3_30b_a3b", 512, False), ("qwen3_30b_a3b", 1024, True),  # 32 / 64 tokens an expert
+    ("mixtral_8x7b", 128, False), ("mixtral_8x7b", 256, True),     # 32 / 64
+    ("qwen3_30b_a3b", 4096, True), ("deepseek_v3", 4096, True)])
+def test_prefill_kernel_from_48_tokens_an_expert(model, m, prefill):
+    e, k, h, inter = MODELS[model]
+    plan = moe_plan(m, k, e, h, inter, 132)
+    assert plan.prefill == prefill and ("moe-prefill" in plan.rule) == prefill
+    assert plan.token_tile == 128 or not prefill
+    # hidden sizes off the 128 grid keep the decode kernel
+    assert not moe_plan(m, k, e, h + 16, inter, 132).prefill
