@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ... import moe_routing
 from ...moe_routing import Routing, Stages, sorted_moe
 from ...quant import BLOCK, cdiv
 from ..triton import moe as triton_moe
@@ -30,6 +31,7 @@ PREFILL_TILE = GEMM_TILES[MOE_PREFILL_CONFIG].bm  # token tile of the prefill ke
 TILE_2X_MIN_HIDDEN = 4096
 TILE_2X_MIN_TOKENS = 16
 PREFILL_MIN_TOKENS = 48
+SORT_ROUTE_MIN_SLOTS = 4096
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class MoePlan:
     down: GroupedGemmPlan
     pdl: bool = True         # moe-pdl: the GEMMs stream their weights under the kernel before
     prefill: bool = False    # moe-prefill: both GEMMs on the persistent large-M kernel
+    sort_route: bool = False  # moe-route-sort: routing by torch's parallel sort
     rule: str = dataclasses.field(default="", compare=False)
 
     @property
@@ -93,8 +96,13 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
     # the kernel before it (gather + quant, SiLU-and-mul + quant) runs: the routing that chose
     # the experts (tile_expert) finished before that kernel started, which no PDL launch
     # precedes. It reads its activations after griddepcontrol.wait.
+    # moe-route-sort: from 4096 (token, slot) pairs, routing by torch's sort and scans (a
+    # dozen parallel kernels) instead of the one-program Triton route, whose serial walk
+    # over the slots grows with them
+    sort_route = slots >= SORT_ROUTE_MIN_SLOTS
+    rule += "+moe-pdl" if prefill else "+moe-split-fill+moe-pdl"
     return MoePlan(config, gemm(2 * inter, hidden), gemm(hidden, inter), True, prefill,
-                   rule + ("+moe-pdl" if prefill else "+moe-split-fill+moe-pdl"))
+                   sort_route, rule + ("+moe-route-sort" if sort_route else ""))
 
 
 def prefill_takes(hidden: int, inter: int) -> bool:
@@ -143,7 +151,7 @@ def _apply_forced(plan: MoePlan, hidden: int, inter: int) -> MoePlan:
         splits = min(_forced.get("splits", old.splits), cdiv(k, BLOCK))
         return GroupedGemmPlan(splits, 2 if bt <= TWO_PER_SM_MAX_BT else 1)
     return MoePlan(config, g(plan.gate_up, hidden), g(plan.down, inter),
-                   _forced.get("pdl", plan.pdl), prefill, "forced")
+                   _forced.get("pdl", plan.pdl), prefill, plan.sort_route, "forced")
 
 
 def supported(hidden: int, inter: int, block_scales: bool) -> bool:
@@ -184,7 +192,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids):
 
 @functools.lru_cache(maxsize=None)
 def stages(plan: MoePlan) -> Stages:
-    return Stages(triton_moe.route, triton_moe.gather_quant, _grouped_gemm(plan),
-                  triton_moe.combine)
+    route = moe_routing.route if plan.sort_route else triton_moe.route
+    return Stages(route, triton_moe.gather_quant, _grouped_gemm(plan), triton_moe.combine)
 
 

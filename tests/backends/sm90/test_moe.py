@@ -214,3 +214,15 @@ def test_prefill_kernel_from_48_tokens_an_expert(model, m, prefill):
     assert plan.token_tile == 128 or not prefill
     # hidden sizes off the 128 grid keep the decode kernel
     assert not moe_plan(m, k, e, h + 16, inter, 132).prefill
+
+
+@pytest.mark.parametrize("m, k, sort", [(511, 8, False), (512, 8, True), (2047, 2, False),
+                                        (2048, 2, True)])
+def test_routing_by_sort_from_4096_slots(m, k, sort):
+    plan = moe_plan(m, k, 128, 2048, 768, 132)
+    assert plan.sort_route == sort and ("moe-route-sort" in plan.rule) == sort
+    from fp8linear import moe_routing
+    from fp8linear.backends.sm90 import moe as sm90_moe
+    from fp8linear.backends.triton import moe as triton_moe
+    want = moe_routing.route if sort else triton_moe.route
+    assert sm90_moe.stages(plan).route is want
