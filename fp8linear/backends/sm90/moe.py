@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ... import moe_routing
 from ...moe_routing import Routing, Stages, sorted_moe
 from ...quant import BLOCK, cdiv
 from ..triton import moe as triton_moe
@@ -31,7 +30,7 @@ PREFILL_TILE = GEMM_TILES[MOE_PREFILL_CONFIG].bm  # token tile of the prefill ke
 TILE_2X_MIN_HIDDEN = 4096
 TILE_2X_MIN_TOKENS = 16
 PREFILL_MIN_TOKENS = 48
-SORT_ROUTE_MIN_SLOTS = 4096
+PARALLEL_ROUTE_MIN_SLOTS = 1024
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,7 @@ class MoePlan:
     down: GroupedGemmPlan
     pdl: bool = True         # moe-pdl: the GEMMs stream their weights under the kernel before
     prefill: bool = False    # moe-prefill: both GEMMs on the persistent large-M kernel
-    sort_route: bool = False  # moe-route-sort: routing by torch's parallel sort
+    parallel_route: bool = False  # moe-route-parallel: routing in three parallel launches
     rule: str = dataclasses.field(default="", compare=False)
 
     @property
@@ -96,13 +95,13 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
     # the kernel before it (gather + quant, SiLU-and-mul + quant) runs: the routing that chose
     # the experts (tile_expert) finished before that kernel started, which no PDL launch
     # precedes. It reads its activations after griddepcontrol.wait.
-    # moe-route-sort: from 4096 (token, slot) pairs, routing by torch's sort and scans (a
-    # dozen parallel kernels) instead of the one-program Triton route, whose serial walk
-    # over the slots grows with them
-    sort_route = slots >= SORT_ROUTE_MIN_SLOTS
+    # moe-route-parallel: from 1024 (token, slot) pairs, the routing's three parallel
+    # launches (count, scan, place) instead of the one-program route, whose serial walk over
+    # the slots grows with them
+    parallel = slots >= PARALLEL_ROUTE_MIN_SLOTS
     rule += "+moe-pdl" if prefill else "+moe-split-fill+moe-pdl"
     return MoePlan(config, gemm(2 * inter, hidden), gemm(hidden, inter), True, prefill,
-                   sort_route, rule + ("+moe-route-sort" if sort_route else ""))
+                   parallel, rule + ("+moe-route-parallel" if parallel else ""))
 
 
 def prefill_takes(hidden: int, inter: int) -> bool:
@@ -151,7 +150,7 @@ def _apply_forced(plan: MoePlan, hidden: int, inter: int) -> MoePlan:
         splits = min(_forced.get("splits", old.splits), cdiv(k, BLOCK))
         return GroupedGemmPlan(splits, 2 if bt <= TWO_PER_SM_MAX_BT else 1)
     return MoePlan(config, g(plan.gate_up, hidden), g(plan.down, inter),
-                   _forced.get("pdl", plan.pdl), prefill, plan.sort_route, "forced")
+                   _forced.get("pdl", plan.pdl), prefill, plan.parallel_route, "forced")
 
 
 def supported(hidden: int, inter: int, block_scales: bool) -> bool:
@@ -192,7 +191,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids):
 
 @functools.lru_cache(maxsize=None)
 def stages(plan: MoePlan) -> Stages:
-    route = moe_routing.route if plan.sort_route else triton_moe.route
+    route = triton_moe.route_parallel if plan.parallel_route else triton_moe.route
     return Stages(route, triton_moe.gather_quant, _grouped_gemm(plan), triton_moe.combine)
 
 

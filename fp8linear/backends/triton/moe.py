@@ -6,6 +6,9 @@ fp8linear.moe_routing's ``route``, the gather + quantization of the sorted rows,
   up to 128 at a time, and gives each the next row of its expert (its rank among the chunk's slots
   of that expert plus the rows earlier chunks took): the sorted order is by expert, then
   slot, whatever the GPU. Then each tile's expert, from the experts' padded row ranges.
+- ``route_parallel``: the same rows in three launches whose work does not grow serially with
+  the slots: one program a chunk of slots counts its chunk's experts; one program scans the
+  chunks' counts (each chunk's first row per expert); one program a chunk places its slots.
 - ``gather_quant``: sorted row r quantizes token row_token[r] (padding rows: zeros), with
   quant_group, the quant kernel's bit-exact numerics.
 - ``combine``: out[t] = sum over slots j, in order, of w[t, j] * y[slot_row[t, j]], in fp32.
@@ -60,6 +63,87 @@ def _route_kernel(ids_ptr, tile_expert_ptr, row_token_ptr, slot_row_ptr, S, TOP_
         past = (ends[None, :] <= (t * TILE)[:, None]) & (experts[None, :] < E)
         e = tl.sum(past.to(tl.int32), axis=1)
         tl.store(tile_expert_ptr + t, tl.where(e < E, e, -1), mask=t < TILES)
+
+
+@triton.jit
+def _route_count_kernel(ids_ptr, counts_ptr, row_token_ptr, S, ROWS, FILL,
+                        BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+    b = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    lanes = tl.arange(0, BLOCK_S)
+    slot = b * BLOCK_S + lanes
+    ids = tl.load(ids_ptr + slot, mask=slot < S, other=-1).to(tl.int32)
+    hit = (ids[:, None] == experts[None, :]).to(tl.int32)
+    tl.store(counts_ptr + b * BLOCK_E + experts, tl.sum(hit, axis=0))
+    # every sorted row starts as padding (this chunk's share of them; placed in a later launch)
+    for r0 in range(b * FILL, (b + 1) * FILL, BLOCK_S):
+        r = r0 + lanes
+        tl.store(row_token_ptr + r, tl.full([BLOCK_S], -1, tl.int64), mask=r < ROWS)
+
+
+@triton.jit
+def _route_scan_kernel(counts_ptr, first_ptr, tile_expert_ptr, CHUNKS, E: tl.constexpr,
+                       BLOCK_E: tl.constexpr, TILE: tl.constexpr, TILES,
+                       BLOCK_T: tl.constexpr):
+    experts = tl.arange(0, BLOCK_E)
+    # each chunk's count of earlier chunks' slots, per expert
+    total = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for b in range(0, CHUNKS):
+        c = tl.load(counts_ptr + b * BLOCK_E + experts)
+        tl.store(first_ptr + b * BLOCK_E + experts, total)
+        total += c
+    padded = (total + TILE - 1) // TILE * TILE
+    ends = tl.cumsum(padded, axis=0)
+    # first row of each chunk's slots of expert e: the expert's first row + earlier chunks'
+    for b in range(0, CHUNKS):
+        f = tl.load(first_ptr + b * BLOCK_E + experts)
+        tl.store(first_ptr + b * BLOCK_E + experts, f + ends - padded)
+    for t0 in range(0, TILES, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        past = (ends[None, :] <= (t * TILE)[:, None]) & (experts[None, :] < E)
+        e = tl.sum(past.to(tl.int32), axis=1)
+        tl.store(tile_expert_ptr + t, tl.where(e < E, e, -1), mask=t < TILES)
+
+
+@triton.jit
+def _route_place_kernel(ids_ptr, first_ptr, row_token_ptr, slot_row_ptr, S, TOP_K,
+                        BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+    b = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    slot = b * BLOCK_S + tl.arange(0, BLOCK_S)
+    ids = tl.load(ids_ptr + slot, mask=slot < S, other=-1).to(tl.int32)
+    hit = (ids[:, None] == experts[None, :]).to(tl.int32)
+    before = tl.cumsum(hit, axis=0) - hit                 # same expert, earlier in the chunk
+    first = tl.load(first_ptr + b * BLOCK_E + experts)
+    row = tl.sum((before + first[None, :]) * hit, axis=1)
+    tl.store(slot_row_ptr + slot, row.to(tl.int64), mask=slot < S)
+    tl.store(row_token_ptr + row, (slot // TOP_K).to(tl.int64), mask=slot < S)
+
+
+def route_parallel(topk_ids: torch.Tensor, num_experts: int, token_tile: int) -> Routing:
+    """moe_routing.route in three launches (count, scan, place), for many slots."""
+    m, k = topk_ids.shape
+    slots = m * k
+    tiles = max_tiles(slots, num_experts, token_tile)
+    dev = topk_ids.device
+    block_e = triton.next_power_of_2(num_experts)
+    block_s = max(16, min(128, ROUTE_TILE_ELEMENTS // block_e))
+    chunks = cdiv(slots, block_s)
+    rows = tiles * token_tile
+    counts = torch.empty(chunks, block_e, dtype=torch.int32, device=dev)
+    first = torch.empty(chunks, block_e, dtype=torch.int32, device=dev)
+    tile_expert = torch.empty(tiles, dtype=torch.int32, device=dev)
+    row_token = torch.empty(rows, dtype=torch.int64, device=dev)
+    slot_row = torch.empty(m, k, dtype=torch.int64, device=dev)
+    warps = 8 if block_e >= 256 else 4
+    _route_count_kernel[(chunks,)](topk_ids, counts, row_token, slots, rows,
+                                   cdiv(cdiv(rows, chunks), block_s) * block_s, block_e,
+                                   block_s, num_warps=warps)
+    _route_scan_kernel[(1,)](counts, first, tile_expert, chunks, num_experts, block_e,
+                             token_tile, tiles, 32, num_warps=warps)
+    _route_place_kernel[(chunks,)](topk_ids, first, row_token, slot_row, slots, k, block_e,
+                                   block_s, num_warps=warps)
+    return Routing(token_tile, tile_expert, row_token, slot_row)
 
 
 def route(topk_ids: torch.Tensor, num_experts: int, token_tile: int) -> Routing:

@@ -65,6 +65,7 @@ GPU_CASES = [  # (M, E, top_k, H, I, routing, dtype)
     (24, 32, 2, 256, 384, "few", torch.float16),            # most experts get no token
     (64, 16, 4, 1024, 256, "random", torch.bfloat16),       # split K
     (300, 8, 2, 512, 512, "random", torch.bfloat16),        # many tokens an expert: prefill
+    (200, 16, 8, 256, 128, "random", torch.bfloat16),       # 1600 slots: parallel routing
 ]
 # the prefill kernel forced where the rules would not pick it: one token, many unused tiles,
 # one expert taking every token, fp16
@@ -216,13 +217,12 @@ def test_prefill_kernel_from_48_tokens_an_expert(model, m, prefill):
     assert not moe_plan(m, k, e, h + 16, inter, 132).prefill
 
 
-@pytest.mark.parametrize("m, k, sort", [(511, 8, False), (512, 8, True), (2047, 2, False),
-                                        (2048, 2, True)])
-def test_routing_by_sort_from_4096_slots(m, k, sort):
+@pytest.mark.parametrize("m, k, parallel", [(127, 8, False), (128, 8, True), (511, 2, False),
+                                            (512, 2, True)])
+def test_parallel_routing_from_1024_slots(m, k, parallel):
     plan = moe_plan(m, k, 128, 2048, 768, 132)
-    assert plan.sort_route == sort and ("moe-route-sort" in plan.rule) == sort
-    from fp8linear import moe_routing
+    assert plan.parallel_route == parallel and ("moe-route-parallel" in plan.rule) == parallel
     from fp8linear.backends.sm90 import moe as sm90_moe
     from fp8linear.backends.triton import moe as triton_moe
-    want = moe_routing.route if sort else triton_moe.route
+    want = triton_moe.route_parallel if parallel else triton_moe.route
     assert sm90_moe.stages(plan).route is want

@@ -16,10 +16,12 @@ from fp8linear.backends import reference  # noqa: E402
 from fp8linear.moe import moe_reference  # noqa: E402
 from moe_cases import experts, topk_ids  # noqa: E402
 
-# (M, top_k, experts, token tile, routing); 200 x 2 slots: pass 2 over several 128-slot steps;
-# 300 and 1024 experts: 32- and 16-slot steps
+# (M, top_k, experts, token tile, routing); 200 x 2 slots: pass 2 over several 128-slot steps
+# (route_parallel: several chunks); 300 and 1024 experts: 32- and 16-slot steps; 300 x 4
+# slots to 4 experts: one expert's rows across ten chunks
 CASES = [(1, 8, 128, 8, "random"), (5, 3, 6, 8, "random"), (16, 2, 8, 16, "one_expert"),
-         (200, 2, 16, 32, "random"), (9, 4, 300, 8, "random"), (5, 8, 1024, 8, "random")]
+         (200, 2, 16, 32, "random"), (9, 4, 300, 8, "random"), (5, 8, 1024, 8, "random"),
+         (300, 4, 8, 128, "one_expert")]
 
 
 def check_stages(m, k, e, tile, routing, device):
@@ -29,6 +31,9 @@ def check_stages(m, k, e, tile, routing, device):
     got, want = tm.route(ids, e, tile), mr.route(ids, e, tile)
     for f in ("tile_expert", "row_token", "slot_row"):
         assert torch.equal(getattr(got, f), getattr(want, f)), (f, getattr(got, f))
+    par = tm.route_parallel(ids, e, tile)
+    for f in ("tile_expert", "row_token", "slot_row"):
+        assert torch.equal(getattr(par, f), getattr(want, f)), (f, getattr(par, f))
     x = (torch.randn(m, 272, generator=gen) * 3).to(torch.bfloat16).to(device)
     q, s = tm.gather_quant(x, got)
     q0, s0 = mr.gather_quant(x, want)
