@@ -60,7 +60,6 @@ Output: <date>_e2e_vllm_<gpu>.json (+ .png) in benchmarks/results/ (or --out), e
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
 import random
@@ -72,7 +71,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)  # e2e_moe_model, beside this script
+sys.path.insert(0, HERE)  # common, e2e_moe_model: beside this script
+from common import git_commit, utc_now  # noqa: E402
 from e2e_moe_model import (QWEN3_30B_A3B, TINY_MOE, write_bf16_config,  # noqa: E402
                            write_fp8_checkpoint)
 
@@ -126,10 +126,6 @@ def logprob_reference() -> str:
 
 def log(*a):
     print(f"[{time.time() - T_START:6.1f}s]", *a, flush=True)
-
-
-def utc_now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def base_env(extra=None) -> dict:
@@ -693,24 +689,22 @@ def device_slug(name: str) -> str:
     return (m.group(1) if m else re.sub(r"\W+", "_", name or "gpu")).lower()
 
 
-def git_commit():
-    try:
-        r = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True,
-                           text=True, timeout=10)
-        return r.stdout.strip() or None
-    except Exception:  # noqa: BLE001
-        return None
+def model_name(model: dict) -> str:
+    """What the header's model is, in words (the full model's layer count noted)."""
+    moe = "num_experts" in model
+    full = 48 if moe else 32
+    return (f"{model['layers']}-layer {'Qwen3-30B-A3B' if moe else 'Llama-3.1-8B'}-shaped model"
+            f"{'' if model['layers'] == full else f' (NOT the {full}-layer model)'}")
 
 
 def table(doc: dict) -> str:
     h, results = doc["header"], doc["engines"]
     batches = h["batches"]
     lines = [f"e2e_vllm: {h.get('device')}, vLLM {h.get('vllm')}, torch {h.get('torch')}, "
-             f"{h['model']['layers']}-layer Llama-3.1-8B-shaped model"
-             f"{'' if h['model']['layers'] == 32 else ' (NOT the 32-layer model)'}, "
-             f"compile={h['compile']}",
+             f"{model_name(h['model'])}, compile={h['compile']}",
              f"{'config':<21}{'start s':>8}{'wt GiB':>8}{'KV tok':>9} | ms per output token at "
-             f"batch " + "/".join(map(str, batches)) + " | prefill ms | dlogprob vs bf16 "
+             f"batch " + "/".join(map(str, batches)) + " | prefill ms | dlogprob vs "
+             f"{'fp8_cutlass' if 'num_experts' in h['model'] else 'bf16'} "
              f"(greedy mean/max; p: the prompt's)"]
     lp = doc.get("logprobs", {})
     for name, r in results.items():
@@ -814,7 +808,7 @@ def plot(doc: dict, png: str) -> None:
     ax.set_xticks(h["batches"], [str(b) for b in h["batches"]])
     ax.set_xlabel("batch (concurrent sequences)")
     ax.set_ylabel("ms per output token (decode)")
-    ax.set_title(f"vLLM {h.get('vllm')}, {h['model']['layers']}-layer Llama-3.1-8B-shaped, "
+    ax.set_title(f"vLLM {h.get('vllm')}, {model_name(h['model'])}, "
                  f"prompt {h['prompt_len']}, {h['out_len']} new tokens", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.set_ylim(bottom=0)
