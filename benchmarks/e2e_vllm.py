@@ -114,6 +114,10 @@ MODEL = LLAMA8B
 LP_PROMPT_LEN, LP_GEN = 128, 32       # log-probability sequence: prompt + greedy tokens
 
 
+def architecture() -> str:
+    return MODEL.get("architectures", ["LlamaForCausalLM"])[0]
+
+
 def is_moe() -> bool:
     return "num_experts" in MODEL
 
@@ -166,7 +170,7 @@ def build_models(work: str, layers: int, seed: int) -> dict:
             [sys.executable, "-c",
              "import vllm; from vllm import LLM, SamplingParams\n"
              "from vllm.model_executor.models.registry import ModelRegistry as R\n"
-             f"print('registry warm:', R._try_inspect_model_cls({MODEL.get('architectures', ['LlamaForCausalLM'])[0]!r}) is not None)"],
+             f"print('registry warm:', R._try_inspect_model_cls({architecture()!r}) is not None)"],
             env=base_env(), stdout=warm_log, stderr=subprocess.STDOUT)
     except Exception as e:  # noqa: BLE001
         log(f"models: registry warm-up not started: {e}")

@@ -14,8 +14,9 @@ Covers both sm90 paths as fp8linear.backends.sm90.plan.choose picks them (decode
 split-K, fused quant, M <= 32; large M: quant kernel + TMA/wgmma GEMM), tails in M, N and K
 (partial last scale blocks), both weight-scale granularities, bias, bf16 and fp16 outputs,
 block_fp8_gemm and fp8_linear; then the MoE layer (fused_moe: routing, the grouped expert
-GEMMs with and without split K, token tiles of 8 to 128, and the prefill kernel) on MOE_CASES. Data and references are made on the CPU, so the GPU runs little
-besides our kernels (and the instrumented run stays short). Exit code 0 only if every result
+GEMMs with and without split K, token tiles of 8 to 128, and the prefill kernel) on
+MOE_CASES. Data and references are made on the CPU, so the GPU runs little besides our
+kernels (and the instrumented run stays short). Exit code 0 only if every result
 is right. --configs i,j runs the cases again with each large-M configuration i, j forced
 (plan.forced(gemm_config=i): the cluster and 128x192 configurations are not picked for shapes
 this small otherwise); --configs all runs the cases once as the rules plan them and then once
