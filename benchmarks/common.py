@@ -354,6 +354,31 @@ def measure_read_bandwidth(gib: float = 2.0, iters: int = 20, device: str = "cud
 
 
 # ------------------------------------------------------------------------------- output
+def write_shards(path: str, tensors: Iterable, shard_bytes: float) -> int:
+    """(name, tensor) pairs into model-NNNNN.safetensors files of about shard_bytes each and
+    their model.safetensors.index.json; returns the tensor bytes written."""
+    from safetensors.torch import save_file
+    weight_map, shard, size, total, k = {}, {}, 0, 0, 0
+
+    def flush():
+        nonlocal shard, size, k
+        if shard:
+            name = f"model-{k:05d}.safetensors"
+            save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
+            weight_map.update({n: name for n in shard})
+            shard, size, k = {}, 0, k + 1
+
+    for name, t in tensors:
+        nb = t.numel() * t.element_size()
+        if size and size + nb > shard_bytes:
+            flush()
+        shard[name], size, total = t.contiguous(), size + nb, total + nb
+    flush()
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as fh:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=1)
+    return total
+
+
 def git_commit() -> str | None:
     if os.environ.get("FP8LINEAR_GIT_COMMIT"):
         return os.environ["FP8LINEAR_GIT_COMMIT"]

@@ -42,7 +42,7 @@ def write_fp8_checkpoint(path: str, model: dict, layers: int, seed: int,
     """Block-FP8 checkpoint (weights + weight_scale_inv, config.json with
     fp8linear's quantization_config); returns the tensor bytes written."""
     import torch
-    from safetensors.torch import save_file
+    from common import write_shards
 
     from fp8linear import quantize_weight
     from fp8linear.checkpoint import quantization_config
@@ -88,24 +88,7 @@ def write_fp8_checkpoint(path: str, model: dict, layers: int, seed: int,
         yield "model.norm.weight", norm(h)
         yield "lm_head.weight", bf16(rnd(v, h))
 
-    weight_map, shard, size, total, k = {}, {}, 0, 0, 0
-
-    def flush():
-        nonlocal shard, size, k
-        if shard:
-            name = f"model-{k:05d}.safetensors"
-            save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
-            weight_map.update({n: name for n in shard})
-            shard, size, k = {}, 0, k + 1
-
-    for name, t in tensors():
-        nb = t.numel() * t.element_size()
-        if size and size + nb > shard_bytes:
-            flush()
-        shard[name], size, total = t.contiguous(), size + nb, total + nb
-    flush()
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    total = write_shards(path, tensors(), shard_bytes)
     with open(os.path.join(path, "config.json"), "w") as f:
         # the routers stay bf16 (as `fp8linear quantize` and Qwen's FP8 checkpoints keep them)
         routers = [f"model.layers.{i}.mlp.gate" for i in range(layers)]

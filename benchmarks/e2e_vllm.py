@@ -72,7 +72,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # common, e2e_moe_model: beside this script
-from common import git_commit, utc_now  # noqa: E402
+from common import git_commit, utc_now, write_shards  # noqa: E402
 from e2e_moe_model import (QWEN3_30B_A3B, TINY_MOE, write_bf16_config,  # noqa: E402
                            write_fp8_checkpoint)
 
@@ -222,7 +222,6 @@ def build_models(work: str, layers: int, seed: int) -> dict:
 
 def write_bf16_checkpoint(path: str, layers: int, seed: int, shard_bytes: float = 2e9) -> int:
     import torch
-    from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device=dev).manual_seed(seed)
@@ -252,24 +251,7 @@ def write_bf16_checkpoint(path: str, layers: int, seed: int, shard_bytes: float 
         yield "model.norm.weight", norm(h)
         yield "lm_head.weight", rnd(v, h)
 
-    weight_map, shard, size, total, k = {}, {}, 0, 0, 0
-
-    def flush():
-        nonlocal shard, size, k
-        if shard:
-            name = f"model-{k:05d}.safetensors"
-            save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
-            weight_map.update({n: name for n in shard})
-            shard, size, k = {}, 0, k + 1
-
-    for name, t in tensors():
-        nb = t.numel() * t.element_size()
-        if size and size + nb > shard_bytes:
-            flush()
-        shard[name], size, total = t, size + nb, total + nb
-    flush()
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as fh:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=1)
+    total = write_shards(path, tensors(), shard_bytes)
     write_config(path, layers)
     return total
 

@@ -29,6 +29,18 @@ ROUTE_TILE_ELEMENTS = 16384
 
 
 @triton.jit
+def _store_tile_experts(ends, experts, tile_expert_ptr, E: tl.constexpr, TILE: tl.constexpr,
+                        TILES, BLOCK_T: tl.constexpr):
+    """Tile t's expert: the first whose padded rows (ending at ends[e]) end after the tile's
+    first row; -1 past the last expert's rows."""
+    for t0 in range(0, TILES, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        past = (ends[None, :] <= (t * TILE)[:, None]) & (experts[None, :] < E)
+        e = tl.sum(past.to(tl.int32), axis=1)
+        tl.store(tile_expert_ptr + t, tl.where(e < E, e, -1), mask=t < TILES)
+
+
+@triton.jit
 def _route_kernel(ids_ptr, tile_expert_ptr, row_token_ptr, slot_row_ptr, S, TOP_K,
                   E: tl.constexpr, BLOCK_E: tl.constexpr, TILE: tl.constexpr, TILES,
                   BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr):
@@ -57,12 +69,15 @@ def _route_kernel(ids_ptr, tile_expert_ptr, row_token_ptr, slot_row_ptr, S, TOP_
         tl.store(slot_row_ptr + slot, row.to(tl.int64), mask=slot < S)
         tl.store(row_token_ptr + row, (slot // TOP_K).to(tl.int64), mask=slot < S)
         cursor += tl.sum(hit, axis=0)
-    # tile t's expert: the first whose padded rows end after the tile's first row
-    for t0 in range(0, TILES, BLOCK_T):
-        t = t0 + tl.arange(0, BLOCK_T)
-        past = (ends[None, :] <= (t * TILE)[:, None]) & (experts[None, :] < E)
-        e = tl.sum(past.to(tl.int32), axis=1)
-        tl.store(tile_expert_ptr + t, tl.where(e < E, e, -1), mask=t < TILES)
+    _store_tile_experts(ends, experts, tile_expert_ptr, E, TILE, TILES, BLOCK_T)
+
+
+@triton.jit
+def _chunk_hits(ids_ptr, b, S, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Chunk b's slots and their [BLOCK_S, BLOCK_E] one-hot experts (none past S)."""
+    slot = b * BLOCK_S + tl.arange(0, BLOCK_S)
+    ids = tl.load(ids_ptr + slot, mask=slot < S, other=-1).to(tl.int32)
+    return slot, (ids[:, None] == tl.arange(0, BLOCK_E)[None, :]).to(tl.int32)
 
 
 @triton.jit
@@ -71,9 +86,7 @@ def _route_count_kernel(ids_ptr, counts_ptr, row_token_ptr, S, ROWS, FILL,
     b = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     lanes = tl.arange(0, BLOCK_S)
-    slot = b * BLOCK_S + lanes
-    ids = tl.load(ids_ptr + slot, mask=slot < S, other=-1).to(tl.int32)
-    hit = (ids[:, None] == experts[None, :]).to(tl.int32)
+    slot, hit = _chunk_hits(ids_ptr, b, S, BLOCK_E, BLOCK_S)
     tl.store(counts_ptr + b * BLOCK_E + experts, tl.sum(hit, axis=0))
     # every sorted row starts as padding (this chunk's share of them; placed in a later launch)
     for r0 in range(b * FILL, (b + 1) * FILL, BLOCK_S):
@@ -98,11 +111,7 @@ def _route_scan_kernel(counts_ptr, first_ptr, tile_expert_ptr, CHUNKS, E: tl.con
     for b in range(0, CHUNKS):
         f = tl.load(first_ptr + b * BLOCK_E + experts)
         tl.store(first_ptr + b * BLOCK_E + experts, f + ends - padded)
-    for t0 in range(0, TILES, BLOCK_T):
-        t = t0 + tl.arange(0, BLOCK_T)
-        past = (ends[None, :] <= (t * TILE)[:, None]) & (experts[None, :] < E)
-        e = tl.sum(past.to(tl.int32), axis=1)
-        tl.store(tile_expert_ptr + t, tl.where(e < E, e, -1), mask=t < TILES)
+    _store_tile_experts(ends, experts, tile_expert_ptr, E, TILE, TILES, BLOCK_T)
 
 
 @triton.jit
@@ -110,9 +119,7 @@ def _route_place_kernel(ids_ptr, first_ptr, row_token_ptr, slot_row_ptr, S, TOP_
                         BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
     b = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
-    slot = b * BLOCK_S + tl.arange(0, BLOCK_S)
-    ids = tl.load(ids_ptr + slot, mask=slot < S, other=-1).to(tl.int32)
-    hit = (ids[:, None] == experts[None, :]).to(tl.int32)
+    slot, hit = _chunk_hits(ids_ptr, b, S, BLOCK_E, BLOCK_S)
     before = tl.cumsum(hit, axis=0) - hit                 # same expert, earlier in the chunk
     first = tl.load(first_ptr + b * BLOCK_E + experts)
     row = tl.sum((before + first[None, :]) * hit, axis=1)
