@@ -135,6 +135,9 @@ def tiny_models(tmp_path_factory) -> dict:
         subprocess.run([sys.executable, "-m", "fp8linear.cli", "quantize", str(moe_bf16),
                         str(root / f"{name}_fp8"), "--quiet"], check=True, timeout=300)
         models[f"{name}_bf16"], models[f"{name}_fp8"] = moe_bf16, root / f"{name}_fp8"
+    # llm-compressor's layout of the Qwen3-MoE (its routers ignored, as its recipes do)
+    models["qwen3_moe_ct"] = tiny_llama.write_compressed_tensors(
+        models["qwen3_moe_bf16"], root / "qwen3_moe_ct", ignore=("lm_head", "re:.*mlp.gate$"))
     return models
 
 
@@ -158,6 +161,8 @@ ENGINE_RUNS = [
      "enforce_eager": True},
     {"name": "qwen3_moe_fp8_compiled", "model": "qwen3_moe_fp8",
      "quantization": "fp8_blockgemm", "enforce_eager": False},
+    {"name": "qwen3_moe_ct_eager", "model": "qwen3_moe_ct", "quantization": "fp8_blockgemm",
+     "enforce_eager": True},
 ]
 
 

