@@ -1001,13 +1001,13 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     global MODEL
     args = parse_args(argv)
+    MODEL = SHAPES[args.shape]  # (--merge: which engine the log-probabilities compare with)
     if args.table:
         with open(args.table) as f:
             print(table(json.load(f)))
         return 0
     if args.merge:
         return merge(args.merge, args.out)
-    MODEL = SHAPES[args.shape]
     if args.worker:
         return worker(args.worker)
     if args.build_models:

@@ -1,6 +1,6 @@
 """CPU test of benchmarks/e2e_vllm.py's --merge (no vLLM needed): engines of several runs in
 one document with recomputed targets, the later run's engine of a name winning, and the
-refusals (runs of other workloads, no --out)."""
+refusals (runs of other workloads, no --out); and of the MoE model's checkpoint stage."""
 import importlib.util
 import json
 import os
@@ -104,3 +104,24 @@ def test_merge_renames_only_the_named_engines(E, tmp_path):
     assert list(doc["engines"]) == ["fp8_blockgemm_seqs256", "bf16", "fp8_blockgemm"]
     assert doc["engines"]["fp8_blockgemm_seqs256"]["name"] == "fp8_blockgemm_seqs256"
     assert doc["targets"]["fp8_blockgemm speedup vs bf16"] == "b1 1.71x, b4 1.78x"
+
+
+def test_moe_models_stage_writes_block_fp8_experts_and_a_bf16_config(E, tmp_path):
+    """--shape tiny_moe (Qwen3-MoE's architecture, small): the FP8 checkpoint written
+    directly, routers kept bf16 and listed as ignored; BF16 is a config for dummy weights."""
+    from safetensors import safe_open
+    work = tmp_path / "w"
+    assert E.main(["--stage", "models", "--shape", "tiny_moe", "--layers", "2",
+                   "--work", str(work)]) == 0
+    cfg = json.loads((work / "fp8" / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3MoeForCausalLM"] and cfg["num_hidden_layers"] == 2
+    assert cfg["quantization_config"]["ignored_layers"] == [
+        "model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+    assert sorted(os.listdir(work / "bf16")) == ["config.json"]
+    assert "quantization_config" not in json.loads((work / "bf16" / "config.json").read_text())
+    with safe_open(str(work / "fp8" / "model-00000.safetensors"), "pt") as f:
+        w = f.get_tensor("model.layers.1.mlp.experts.7.down_proj.weight")
+        s = f.get_tensor("model.layers.1.mlp.experts.7.down_proj.weight_scale_inv")
+        assert str(w.dtype) == "torch.float8_e4m3fn" and tuple(w.shape) == (256, 256)
+        assert tuple(s.shape) == (2, 2) and bool((s > 0).all())
+        assert str(f.get_tensor("model.layers.0.mlp.gate.weight").dtype) == "torch.bfloat16"
