@@ -118,14 +118,15 @@ def architecture() -> str:
     return MODEL.get("architectures", ["LlamaForCausalLM"])[0]
 
 
-def is_moe() -> bool:
-    return "num_experts" in MODEL
+def is_moe(model: dict | None = None) -> bool:
+    """Whether ``model`` (default: this run's MODEL; else a saved header's) is the MoE one."""
+    return "num_experts" in (MODEL if model is None else model)
 
 
-def logprob_reference() -> str:
+def logprob_reference(model: dict | None = None) -> str:
     """The engine the others' log-probabilities are compared with: BF16, or for the MoE
     model (whose BF16 engine runs dummy weights) vLLM's fp8 on the same FP8 checkpoint."""
-    return "fp8_cutlass" if is_moe() else "bf16"
+    return "fp8_cutlass" if is_moe(model) else "bf16"
 
 
 def log(*a):
@@ -677,7 +678,7 @@ def device_slug(name: str) -> str:
 
 def model_name(model: dict) -> str:
     """What the header's model is, in words (the full model's layer count noted)."""
-    moe = "num_experts" in model
+    moe = is_moe(model)
     full = 48 if moe else 32
     return (f"{model['layers']}-layer {'Qwen3-30B-A3B' if moe else 'Llama-3.1-8B'}-shaped model"
             f"{'' if model['layers'] == full else f' (NOT the {full}-layer model)'}")
@@ -690,7 +691,7 @@ def table(doc: dict) -> str:
              f"{model_name(h['model'])}, compile={h['compile']}",
              f"{'config':<21}{'start s':>8}{'wt GiB':>8}{'KV tok':>9} | ms per output token at "
              f"batch " + "/".join(map(str, batches)) + " | prefill ms | dlogprob vs "
-             f"{'fp8_cutlass' if 'num_experts' in h['model'] else 'bf16'} "
+             f"{logprob_reference(h['model'])} "
              f"(greedy mean/max; p: the prompt's)"]
     lp = doc.get("logprobs", {})
     for name, r in results.items():

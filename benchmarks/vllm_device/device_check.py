@@ -39,6 +39,10 @@ from tiny_llama import MAX_TOKENS, PROMPT  # noqa: E402
 MEAN_TOL, MAX_TOL = 0.35, 1.2
 GRAPH_MEAN_TOL, GRAPH_MAX_TOL = 0.2, 0.6
 MOE_MEAN_TOL, MOE_MAX_TOL = 0.15, 0.6   # tests/integrations/vllm/test_vllm_moe_engine.py
+# the MoE engine runs of step_engines, and the tiny model (tiny_moe) each serves
+MOE_RUNS = {"mixtral_fp8_graphs": "mixtral", "mixtral_online_graphs": "mixtral",
+            "qwen3_moe_fp8_eager": "qwen3_moe", "qwen3_moe_fp8_graphs": "qwen3_moe",
+            "qwen3_moe_fp8_vllm_graphs": "qwen3_moe"}
 KERNEL_REL_TOL = 1e-2          # device GEMM vs CPU reference, relative Frobenius
 MEMORY_SLACK = 128 * 2**20     # allocator rounding, quantization slabs, warm-up buffers
 
@@ -218,11 +222,9 @@ def step_engines(work: Path, out: Path) -> int:
         c.add("torch reference never ran on the GPU", "raises if called", True,
               "all runs above completed with it patched to raise")
     moe_refs = {}
-    for n in ("mixtral_fp8_graphs", "mixtral_online_graphs", "qwen3_moe_fp8_eager",
-              "qwen3_moe_fp8_graphs", "qwen3_moe_fp8_vllm_graphs"):
+    for n, arch in MOE_RUNS.items():
         if not ok(n):
             continue
-        arch = n.split("_fp8")[0].split("_online")[0]
         if arch not in moe_refs:
             moe_refs[arch] = prompt_token_logprobs(tiny_moe.reference_logprobs(
                 m[f"{arch}_bf16"], m[f"{arch}_fp8"], PROMPT))

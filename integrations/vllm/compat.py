@@ -52,8 +52,7 @@ __all__ = [
     "initialize_online_processing", "vllm_checkpoint_config", "unquantized_moe_method",
     "online_block_fp8_moe_method", "current_vllm_config", "modular_kernel", "MoEActivation",
     "TopKWeightAndReduceNoOP", "kFp8Dynamic128Sym", "kFp8Static128BlockSym", "Fp8MoeBackend",
-    "use_experts",
-    "current_device",
+    "use_experts", "current_device",
 ]
 
 

@@ -95,7 +95,7 @@ class Fp8BlockGemmExperts(mk.FusedMoEExpertsModular):
 def why_not(layer) -> Optional[str]:
     """None when our experts take this MoE layer on this machine, else the reason."""
     moe = layer.moe_config
-    if moe.activation != compat.MoEActivation.SILU or not moe.is_act_and_mul:
+    if not (Fp8BlockGemmExperts._supports_activation(moe.activation) and moe.is_act_and_mul):
         return f"activation {moe.activation} (ours: SiLU-and-mul)"
     if moe.has_bias or moe.swiglu_limit is not None or moe.is_lora_enabled:
         return "expert biases, a clamped SwiGLU or LoRA"

@@ -26,7 +26,8 @@ from .plan import DECODE_TWO_PER_SM_MAX_BT as TWO_PER_SM_MAX_BT
 from .tiles import DECODE_TILES, GEMM_TILES, MOE_PREFILL_CONFIG
 
 ROWS = 128  # weight rows a CTA owns (moe.cu instantiates 128-row CTAs only)
-PREFILL_TILE = GEMM_TILES[MOE_PREFILL_CONFIG].bm  # token tile of the prefill kernel
+# the prefill kernel's tile: its token tile and the output columns a tile covers
+PREFILL_TILE, PREFILL_TILE_N = GEMM_TILES[MOE_PREFILL_CONFIG].bm, GEMM_TILES[MOE_PREFILL_CONFIG].bn
 TILE_2X_MIN_HIDDEN = 4096
 TILE_2X_MIN_TOKENS = 16
 PREFILL_MIN_TOKENS = 48
@@ -106,8 +107,7 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
 
 def prefill_takes(hidden: int, inter: int) -> bool:
     """Whether the prefill kernel takes both GEMMs: whole 128-column tiles of outputs."""
-    tile_n = GEMM_TILES[MOE_PREFILL_CONFIG].bn
-    return hidden % tile_n == 0 and 2 * inter % tile_n == 0
+    return hidden % PREFILL_TILE_N == 0 and 2 * inter % PREFILL_TILE_N == 0
 
 
 _forced: dict = {}
@@ -139,7 +139,7 @@ def _apply_forced(plan: MoePlan, hidden: int, inter: int) -> MoePlan:
     prefill = _forced.get("prefill", plan.prefill)
     if prefill and not prefill_takes(hidden, inter):
         raise ValueError(f"the prefill kernel needs hidden and 2 * intermediate multiples of "
-                         f"{GEMM_TILES[MOE_PREFILL_CONFIG].bn}, got {hidden}, {inter}")
+                         f"{PREFILL_TILE_N}, got {hidden}, {inter}")
     if "token_tile" in _forced:
         config = DECODE_TILES.index(_forced["token_tile"])
     if prefill:

@@ -41,38 +41,6 @@ def _store_tile_experts(ends, experts, tile_expert_ptr, E: tl.constexpr, TILE: t
 
 
 @triton.jit
-def _route_kernel(ids_ptr, tile_expert_ptr, row_token_ptr, slot_row_ptr, S, TOP_K,
-                  E: tl.constexpr, BLOCK_E: tl.constexpr, TILE: tl.constexpr, TILES,
-                  BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr):
-    experts = tl.arange(0, BLOCK_E)
-    lanes = tl.arange(0, BLOCK_S)
-    # pass 1: slots per expert
-    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for s0 in range(0, S, BLOCK_S):
-        ids = tl.load(ids_ptr + s0 + lanes, mask=s0 + lanes < S, other=-1).to(tl.int32)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    padded = (counts + TILE - 1) // TILE * TILE
-    ends = tl.cumsum(padded, axis=0)
-    cursor = ends - padded  # the next free row of each expert
-    # every sorted row starts as padding; slots then claim theirs (after the barrier)
-    for r0 in range(0, TILES * TILE, BLOCK_S):
-        tl.store(row_token_ptr + r0 + lanes, tl.full([BLOCK_S], -1, tl.int64),
-                 mask=r0 + lanes < TILES * TILE)
-    tl.debug_barrier()
-    # pass 2: in slot order, a slot's row = its expert's cursor + its rank in this chunk
-    for s0 in range(0, S, BLOCK_S):
-        slot = s0 + lanes
-        ids = tl.load(ids_ptr + slot, mask=slot < S, other=-1).to(tl.int32)
-        hit = (ids[:, None] == experts[None, :]).to(tl.int32)       # [BLOCK_S, BLOCK_E]
-        before = tl.cumsum(hit, axis=0) - hit                         # same expert, earlier
-        row = tl.sum((before + cursor[None, :]) * hit, axis=1)
-        tl.store(slot_row_ptr + slot, row.to(tl.int64), mask=slot < S)
-        tl.store(row_token_ptr + row, (slot // TOP_K).to(tl.int64), mask=slot < S)
-        cursor += tl.sum(hit, axis=0)
-    _store_tile_experts(ends, experts, tile_expert_ptr, E, TILE, TILES, BLOCK_T)
-
-
-@triton.jit
 def _chunk_hits(ids_ptr, b, S, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
     """Chunk b's slots and their [BLOCK_S, BLOCK_E] one-hot experts (none past S)."""
     slot = b * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -81,17 +49,60 @@ def _chunk_hits(ids_ptr, b, S, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
+def _place_chunk(ids_ptr, b, first, row_token_ptr, slot_row_ptr, S, TOP_K,
+                 BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Chunk b's slots placed: a slot's row = ``first`` (its expert's first row for this
+    chunk) + its rank among the chunk's slots of that expert. Returns the chunk's slots per
+    expert."""
+    slot, hit = _chunk_hits(ids_ptr, b, S, BLOCK_E, BLOCK_S)
+    before = tl.cumsum(hit, axis=0) - hit                 # same expert, earlier in the chunk
+    row = tl.sum((before + first[None, :]) * hit, axis=1)
+    tl.store(slot_row_ptr + slot, row.to(tl.int64), mask=slot < S)
+    tl.store(row_token_ptr + row, (slot // TOP_K).to(tl.int64), mask=slot < S)
+    return tl.sum(hit, axis=0)
+
+
+@triton.jit
+def _fill_padding(row_token_ptr, r_begin, r_end, ROWS, BLOCK_S: tl.constexpr):
+    """Sorted rows [r_begin, min(r_end, ROWS)) marked padding (-1)."""
+    lanes = tl.arange(0, BLOCK_S)
+    for r0 in range(r_begin, r_end, BLOCK_S):
+        tl.store(row_token_ptr + r0 + lanes, tl.full([BLOCK_S], -1, tl.int64),
+                 mask=r0 + lanes < ROWS)
+
+
+@triton.jit
+def _route_kernel(ids_ptr, tile_expert_ptr, row_token_ptr, slot_row_ptr, S, TOP_K,
+                  E: tl.constexpr, BLOCK_E: tl.constexpr, TILE: tl.constexpr, TILES,
+                  BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr):
+    experts = tl.arange(0, BLOCK_E)
+    chunks = tl.cdiv(S, BLOCK_S)
+    # pass 1: slots per expert
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for b in range(0, chunks):
+        _, hit = _chunk_hits(ids_ptr, b, S, BLOCK_E, BLOCK_S)
+        counts += tl.sum(hit, axis=0)
+    padded = (counts + TILE - 1) // TILE * TILE
+    ends = tl.cumsum(padded, axis=0)
+    cursor = ends - padded  # the next free row of each expert
+    # every sorted row starts as padding; slots then claim theirs (after the barrier)
+    _fill_padding(row_token_ptr, 0, TILES * TILE, TILES * TILE, BLOCK_S)
+    tl.debug_barrier()
+    # pass 2: in slot order, a slot's row = its expert's cursor + its rank in this chunk
+    for b in range(0, chunks):
+        cursor += _place_chunk(ids_ptr, b, cursor, row_token_ptr, slot_row_ptr, S, TOP_K,
+                               BLOCK_E, BLOCK_S)
+    _store_tile_experts(ends, experts, tile_expert_ptr, E, TILE, TILES, BLOCK_T)
+
+
+@triton.jit
 def _route_count_kernel(ids_ptr, counts_ptr, row_token_ptr, S, ROWS, FILL,
                         BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
     b = tl.program_id(0)
-    experts = tl.arange(0, BLOCK_E)
-    lanes = tl.arange(0, BLOCK_S)
-    slot, hit = _chunk_hits(ids_ptr, b, S, BLOCK_E, BLOCK_S)
-    tl.store(counts_ptr + b * BLOCK_E + experts, tl.sum(hit, axis=0))
+    _, hit = _chunk_hits(ids_ptr, b, S, BLOCK_E, BLOCK_S)
+    tl.store(counts_ptr + b * BLOCK_E + tl.arange(0, BLOCK_E), tl.sum(hit, axis=0))
     # every sorted row starts as padding (this chunk's share of them; placed in a later launch)
-    for r0 in range(b * FILL, (b + 1) * FILL, BLOCK_S):
-        r = r0 + lanes
-        tl.store(row_token_ptr + r, tl.full([BLOCK_S], -1, tl.int64), mask=r < ROWS)
+    _fill_padding(row_token_ptr, b * FILL, (b + 1) * FILL, ROWS, BLOCK_S)
 
 
 @triton.jit
@@ -118,56 +129,47 @@ def _route_scan_kernel(counts_ptr, first_ptr, tile_expert_ptr, CHUNKS, E: tl.con
 def _route_place_kernel(ids_ptr, first_ptr, row_token_ptr, slot_row_ptr, S, TOP_K,
                         BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
     b = tl.program_id(0)
-    experts = tl.arange(0, BLOCK_E)
-    slot, hit = _chunk_hits(ids_ptr, b, S, BLOCK_E, BLOCK_S)
-    before = tl.cumsum(hit, axis=0) - hit                 # same expert, earlier in the chunk
-    first = tl.load(first_ptr + b * BLOCK_E + experts)
-    row = tl.sum((before + first[None, :]) * hit, axis=1)
-    tl.store(slot_row_ptr + slot, row.to(tl.int64), mask=slot < S)
-    tl.store(row_token_ptr + row, (slot // TOP_K).to(tl.int64), mask=slot < S)
+    first = tl.load(first_ptr + b * BLOCK_E + tl.arange(0, BLOCK_E))
+    _place_chunk(ids_ptr, b, first, row_token_ptr, slot_row_ptr, S, TOP_K, BLOCK_E, BLOCK_S)
 
 
 def route_parallel(topk_ids: torch.Tensor, num_experts: int, token_tile: int) -> Routing:
     """moe_routing.route in three launches (count, scan, place), for many slots."""
-    m, k = topk_ids.shape
-    slots = m * k
-    tiles = max_tiles(slots, num_experts, token_tile)
-    dev = topk_ids.device
-    block_e = triton.next_power_of_2(num_experts)
-    block_s = max(16, min(128, ROUTE_TILE_ELEMENTS // block_e))
+    r, slots, block_e, block_s, warps = _routing(topk_ids, num_experts, token_tile)
     chunks = cdiv(slots, block_s)
-    rows = tiles * token_tile
-    counts = torch.empty(chunks, block_e, dtype=torch.int32, device=dev)
-    first = torch.empty(chunks, block_e, dtype=torch.int32, device=dev)
-    tile_expert = torch.empty(tiles, dtype=torch.int32, device=dev)
-    row_token = torch.empty(rows, dtype=torch.int64, device=dev)
-    slot_row = torch.empty(m, k, dtype=torch.int64, device=dev)
-    warps = 8 if block_e >= 256 else 4
-    _route_count_kernel[(chunks,)](topk_ids, counts, row_token, slots, rows,
-                                   cdiv(cdiv(rows, chunks), block_s) * block_s, block_e,
+    counts = torch.empty(chunks, block_e, dtype=torch.int32, device=topk_ids.device)
+    first = torch.empty_like(counts)
+    _route_count_kernel[(chunks,)](topk_ids, counts, r.row_token, slots, r.rows,
+                                   cdiv(cdiv(r.rows, chunks), block_s) * block_s, block_e,
                                    block_s, num_warps=warps)
-    _route_scan_kernel[(1,)](counts, first, tile_expert, chunks, num_experts, block_e,
-                             token_tile, tiles, 32, num_warps=warps)
-    _route_place_kernel[(chunks,)](topk_ids, first, row_token, slot_row, slots, k, block_e,
-                                   block_s, num_warps=warps)
-    return Routing(token_tile, tile_expert, row_token, slot_row)
+    _route_scan_kernel[(1,)](counts, first, r.tile_expert, chunks, num_experts, block_e,
+                             token_tile, r.tile_expert.shape[0], 32, num_warps=warps)
+    _route_place_kernel[(chunks,)](topk_ids, first, r.row_token, r.slot_row, slots,
+                                   topk_ids.shape[1], block_e, block_s, num_warps=warps)
+    return r
 
 
 def route(topk_ids: torch.Tensor, num_experts: int, token_tile: int) -> Routing:
     """moe_routing.route in one launch (topk_ids contiguous int32/int64 [M, k])."""
+    r, slots, block_e, block_s, warps = _routing(topk_ids, num_experts, token_tile)
+    _route_kernel[(1,)](topk_ids, r.tile_expert, r.row_token, r.slot_row, slots,
+                        topk_ids.shape[1], num_experts, block_e, token_tile,
+                        r.tile_expert.shape[0], block_s, 32, num_warps=warps)
+    return r
+
+
+def _routing(topk_ids: torch.Tensor, num_experts: int, token_tile: int):
+    """(the Routing's empty tensors, slots, expert block, slots a step, warps) of a routing
+    launch: a step compares [slots, experts] of at most ROUTE_TILE_ELEMENTS."""
     m, k = topk_ids.shape
-    slots = m * k
-    tiles = max_tiles(slots, num_experts, token_tile)
+    tiles = max_tiles(m * k, num_experts, token_tile)
     dev = topk_ids.device
-    tile_expert = torch.empty(tiles, dtype=torch.int32, device=dev)
-    row_token = torch.empty(tiles * token_tile, dtype=torch.int64, device=dev)
-    slot_row = torch.empty(m, k, dtype=torch.int64, device=dev)
+    r = Routing(token_tile, torch.empty(tiles, dtype=torch.int32, device=dev),
+                torch.empty(tiles * token_tile, dtype=torch.int64, device=dev),
+                torch.empty(m, k, dtype=torch.int64, device=dev))
     block_e = triton.next_power_of_2(num_experts)
     block_s = max(16, min(128, ROUTE_TILE_ELEMENTS // block_e))
-    _route_kernel[(1,)](topk_ids, tile_expert, row_token, slot_row, slots, k, num_experts,
-                        block_e, token_tile, tiles, block_s, 32,
-                        num_warps=8 if block_e >= 256 else 4)
-    return Routing(token_tile, tile_expert, row_token, slot_row)
+    return r, m * k, block_e, block_s, 8 if block_e >= 256 else 4
 
 
 @triton.jit

@@ -141,28 +141,21 @@ def tiny_models(tmp_path_factory) -> dict:
     return models
 
 
+def _ours(name: str, model: str, eager: bool = True) -> dict:
+    """An engine run of ``model`` (a tiny_models key) with quantization="fp8_blockgemm"."""
+    return {"name": name, "model": model, "quantization": "fp8_blockgemm",
+            "enforce_eager": eager}
+
+
 ENGINE_RUNS = [
-    {"name": "fp8_eager", "model": "fp8", "quantization": "fp8_blockgemm",
-     "enforce_eager": True},
-    {"name": "fp8_compiled", "model": "fp8", "quantization": "fp8_blockgemm",
-     "enforce_eager": False},
-    {"name": "bf16_online_eager", "model": "bf16", "quantization": "fp8_blockgemm",
-     "enforce_eager": True},
-    {"name": "ct_eager", "model": "ct", "quantization": "fp8_blockgemm",
-     "enforce_eager": True},
-    {"name": "fp8_skip_eager", "model": "fp8_skip", "quantization": "fp8_blockgemm",
-     "enforce_eager": True},
+    _ours("fp8_eager", "fp8"), _ours("fp8_compiled", "fp8", eager=False),
+    _ours("bf16_online_eager", "bf16"), _ours("ct_eager", "ct"),
+    _ours("fp8_skip_eager", "fp8_skip"),
     # MoE models (test_vllm_moe_engine.py): experts on fp8linear's MoE (the reference on CPU)
-    {"name": "mixtral_fp8_eager", "model": "mixtral_fp8", "quantization": "fp8_blockgemm",
-     "enforce_eager": True},
-    {"name": "mixtral_online_eager", "model": "mixtral_bf16", "quantization": "fp8_blockgemm",
-     "enforce_eager": True},
-    {"name": "qwen3_moe_fp8_eager", "model": "qwen3_moe_fp8", "quantization": "fp8_blockgemm",
-     "enforce_eager": True},
-    {"name": "qwen3_moe_fp8_compiled", "model": "qwen3_moe_fp8",
-     "quantization": "fp8_blockgemm", "enforce_eager": False},
-    {"name": "qwen3_moe_ct_eager", "model": "qwen3_moe_ct", "quantization": "fp8_blockgemm",
-     "enforce_eager": True},
+    _ours("mixtral_fp8_eager", "mixtral_fp8"), _ours("mixtral_online_eager", "mixtral_bf16"),
+    _ours("qwen3_moe_fp8_eager", "qwen3_moe_fp8"),
+    _ours("qwen3_moe_fp8_compiled", "qwen3_moe_fp8", eager=False),
+    _ours("qwen3_moe_ct_eager", "qwen3_moe_ct"),
 ]
 
 

@@ -22,7 +22,8 @@ QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"
              "num_experts_per_tok": 4, "norm_topk_prob": False, "decoder_sparse_step": 1,
              "mlp_only_layers": [], "num_attention_heads": 4, "num_key_value_heads": 2,
              "attention_bias": False}
-# checkpoint names of an expert's gate, up and down projections, and of the router
+# per model_type: the MoE block's name, an expert's gate, up and down projections, and the
+# config key of the expert count
 NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2", "num_local_experts"),
          "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj", "num_experts")}
 
@@ -91,9 +92,9 @@ def reference_logprobs(bf16_dir, fp8_dir, token_ids, dtype=torch.bfloat16) -> to
 
     cfg = AutoConfig.from_pretrained(str(bf16_dir))
     model = AutoModelForCausalLM.from_pretrained(str(bf16_dir), dtype=dtype).eval()
-    block, gate, up, down, _ = NAMES[cfg.model_type]
+    block, gate, up, down, n_experts_key = NAMES[cfg.model_type]
     sd = load_file(str(Path(fp8_dir) / "model.safetensors"))
-    n_experts = cfg.num_local_experts if cfg.model_type == "mixtral" else cfg.num_experts
+    n_experts = getattr(cfg, n_experts_key)
     for i, layer in enumerate(model.model.layers):
         p = f"model.layers.{i}."
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
