@@ -97,12 +97,20 @@ def gather_quant(x: torch.Tensor, r: Routing):
     return q, scale.masked_fill(pad, 0)
 
 
+def silu_mul_quant_rows(gate_up: torch.Tensor, r: Routing):
+    """SiLU-and-mul + quantization of the sorted rows (swiglu_quant's numerics): (fp8 [R, I],
+    scale [R, Ib], any strides)."""
+    q, scale_t = silu_mul_quant(gate_up)
+    return q, scale_t[:, :r.rows].t()
+
+
 @dataclass(frozen=True)
 class Stages:
     """A backend's implementations of the stages (the torch ones below: TORCH)."""
     route: Callable          # (topk_ids, num_experts, token_tile) -> Routing
     gather_quant: Callable   # (x, Routing) -> (fp8 [R, K], scale [R, Kb], any strides)
     grouped_gemm: Callable   # (a, a_scale, w [E, N, K], w_scale, Routing, out, which) -> None
+    silu_mul_quant: Callable  # (gate_up, Routing) -> (fp8 [R, I], scale [R, Ib], any strides)
     combine: Callable        # (y, Routing, topk_weights, dtype) -> out [M, H]
 
 
@@ -116,7 +124,7 @@ def sorted_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, token_ti
     xq, x_scale = stages.gather_quant(x, r)
     gate_up = torch.empty(r.rows, two_i, dtype=x.dtype, device=x.device)
     stages.grouped_gemm(xq, x_scale, w13, w13_scale, r, gate_up, 0)
-    hq, h_scale_t = silu_mul_quant(gate_up)
+    hq, h_scale = stages.silu_mul_quant(gate_up, r)
     y = torch.empty(r.rows, h, dtype=torch.float32, device=x.device)
-    stages.grouped_gemm(hq, h_scale_t[:, :r.rows].t(), w2, w2_scale, r, y, 1)
+    stages.grouped_gemm(hq, h_scale, w2, w2_scale, r, y, 1)
     return stages.combine(y, r, topk_weights, x.dtype)

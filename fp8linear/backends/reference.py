@@ -29,4 +29,4 @@ def moe_stages():
     """The MoE layer's sorted-row stages in torch (fp8linear.moe_routing), for tests of the
     sorted pipeline on the CPU."""
     from .. import moe_routing as mr
-    return mr.Stages(mr.route, mr.gather_quant, grouped_gemm, mr.combine)
+    return mr.Stages(mr.route, mr.gather_quant, grouped_gemm, mr.silu_mul_quant_rows, mr.combine)

@@ -31,7 +31,7 @@ PREFILL_TILE, PREFILL_TILE_N = GEMM_TILES[MOE_PREFILL_CONFIG].bm, GEMM_TILES[MOE
 TILE_2X_MIN_HIDDEN = 4096
 TILE_2X_MIN_TOKENS = 16
 PREFILL_MIN_TOKENS = 48
-PARALLEL_ROUTE_MIN_SLOTS = 1024
+PARALLEL_ROUTE_MIN_SLOTS = 256
 
 
 @dataclass(frozen=True)
@@ -96,9 +96,9 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
     # the kernel before it (gather + quant, SiLU-and-mul + quant) runs: the routing that chose
     # the experts (tile_expert) finished before that kernel started, which no PDL launch
     # precedes. It reads its activations after griddepcontrol.wait.
-    # moe-route-parallel: from 1024 (token, slot) pairs, the routing's three parallel
+    # moe-route-parallel: from 256 (token, slot) pairs, the routing's three parallel
     # launches (count, scan, place) instead of the one-program route, whose serial walk over
-    # the slots grows with them
+    # the slots grows with them (measured crossover 128-512)
     parallel = slots >= PARALLEL_ROUTE_MIN_SLOTS
     rule += "+moe-pdl" if prefill else "+moe-split-fill+moe-pdl"
     return MoePlan(config, gemm(2 * inter, hidden), gemm(hidden, inter), True, prefill,
@@ -192,6 +192,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids):
 @functools.lru_cache(maxsize=None)
 def stages(plan: MoePlan) -> Stages:
     route = triton_moe.route_parallel if plan.parallel_route else triton_moe.route
-    return Stages(route, triton_moe.gather_quant, _grouped_gemm(plan), triton_moe.combine)
+    return Stages(route, triton_moe.gather_quant, _grouped_gemm(plan), triton_moe.silu_mul_quant,
+                  triton_moe.combine)
 
 

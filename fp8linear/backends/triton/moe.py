@@ -11,6 +11,9 @@ fp8linear.moe_routing's ``route``, the gather + quantization of the sorted rows,
   chunks' counts (each chunk's first row per expert); one program a chunk places its slots.
 - ``gather_quant``: sorted row r quantizes token row_token[r] (padding rows: zeros), with
   quant_group, the quant kernel's bit-exact numerics.
+- ``silu_mul_quant``: swiglu_quant.py's kernel over the sorted rows.
+  These two skip the rows of unused tiles (tile_expert -1), which the grouped GEMMs skip too:
+  the routing's bound on the tiles exceeds the tiles used by up to one an expert.
 - ``combine``: out[t] = sum over slots j, in order, of w[t, j] * y[slot_row[t, j]], in fp32.
 """
 from __future__ import annotations
@@ -21,6 +24,8 @@ import triton.language as tl
 
 from ...moe_routing import Routing, max_tiles
 from ...quant import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX, cdiv
+from ...norm_quant import _buffers
+from . import swiglu_quant
 from .quant import needs_round_first, quant_group
 
 # slots a step of the routing program compares with every expert: a [slots, experts] tile
@@ -173,32 +178,60 @@ def _routing(topk_ids: torch.Tensor, num_experts: int, token_tile: int):
 
 
 @triton.jit
-def _gather_quant_kernel(x_ptr, row_token_ptr, q_ptr, s_ptr, s_ld, K: tl.constexpr,
-                         CG: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
+def _gather_quant_kernel(x_ptr, row_token_ptr, tile_expert_ptr, q_ptr, s_ptr, s_ld, ROWS,
+                         K: tl.constexpr, TILE: tl.constexpr, CG: tl.constexpr,
+                         GR: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
                          ROUND_FIRST: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1) * CG + tl.arange(0, CG)
+    # GR (row, group) pairs a program: GR // CG rows of CG groups, flattened to [GR, 128]
+    j = tl.arange(0, GR)
+    row = (tl.program_id(0) * (GR // CG) + j // CG).to(tl.int64)
+    g = tl.program_id(1) * CG + j % CG
+    in_rows = row < ROWS
+    # rows of unused tiles are left unwritten: the grouped GEMMs skip those tiles
+    live = in_rows & (tl.load(tile_expert_ptr + row // TILE, mask=in_rows, other=-1) >= 0)
+    live = live & (g * 128 < K)
+    token = tl.load(row_token_ptr + row, mask=live, other=-1)
     cols = g[:, None] * 128 + tl.arange(0, 128)[None, :]
-    mask = cols < K
-    token = tl.load(row_token_ptr + row)
-    x = tl.load(x_ptr + tl.maximum(token, 0) * K + cols, mask=mask, other=0.0).to(tl.float32)
-    x = tl.where(token >= 0, x, 0.0)  # (padding rows: zeros)
-    q, s = quant_group(x, FP8_MAX_C, EPS, ROUND_FIRST)
-    tl.store(q_ptr + row * K + cols, q, mask=mask)
-    tl.store(s_ptr + g.to(tl.int64) * s_ld + row, tl.where(token >= 0, s, 0.0),
-             mask=g * 128 < K)
+    x = tl.load(x_ptr + tl.maximum(token, 0)[:, None] * K + cols,
+                mask=(live & (token >= 0))[:, None] & (cols < K), other=0.0).to(tl.float32)
+    q, s = quant_group(x, FP8_MAX_C, EPS, ROUND_FIRST)  # (padding rows: zeros, scale 0)
+    tl.store(q_ptr + row[:, None] * K + cols, q, mask=live[:, None] & (cols < K))
+    tl.store(s_ptr + g.to(tl.int64) * s_ld + row, tl.where(token >= 0, s, 0.0), mask=live)
 
 
-def gather_quant(x: torch.Tensor, r: Routing):
-    """(fp8 [R, K], scale [R, Kb] as a view of the token-minor [Kb, ld]) of the sorted rows."""
+def gather_quant(x: torch.Tensor, r: Routing, groups: int | None = None):
+    """(fp8 [R, K], scale [R, Kb] as a view of the token-minor [Kb, ld]) of the sorted rows;
+    rows of unused tiles (tile_expert -1) are not written. ``groups``: 128-channel groups a
+    program (tests, benchmarks)."""
     k = x.shape[1]
     kb = cdiv(k, BLOCK)
     q = torch.empty(r.rows, k, dtype=FP8_DTYPE, device=x.device)
     scale_t = torch.empty(kb, cdiv(r.rows, 4) * 4, dtype=torch.float32, device=x.device)
-    cg = min(4, triton.next_power_of_2(kb))
-    _gather_quant_kernel[(r.rows, cdiv(kb, cg))](
-        x, r.row_token, q, scale_t, scale_t.shape[1], k, cg, FP8_MAX, AMAX_EPS,
-        needs_round_first(x.device), num_warps=4)
+    cg, gr = gather_split(kb, groups)
+    _gather_quant_kernel[(cdiv(r.rows, gr // cg), cdiv(kb, cg))](
+        x, r.row_token, r.tile_expert, q, scale_t, scale_t.shape[1], r.rows, k, r.token_tile,
+        cg, gr, FP8_MAX, AMAX_EPS, needs_round_first(x.device), num_warps=4)
+    return q, scale_t[:, :r.rows].t()
+
+
+# (row, group) pairs a gather program quantizes: 16 (2048 values, 16 a thread of 4 warps), so
+# that a program's chain of dependent loads (tile, token, values) serves enough data
+GATHER_GROUP_ROWS = 16
+
+
+def gather_split(kb: int, groups: int | None = None) -> tuple[int, int]:
+    """(groups a program of a row, a power of 2 that wastes no lanes where one divides kb;
+    (row, group) pairs a program)."""
+    cg = groups or next(c for c in (16, 8, 4, 2, 1) if c <= kb and (kb % c == 0 or c == 1))
+    return cg, max(cg, GATHER_GROUP_ROWS)
+
+
+def silu_mul_quant(gate_up: torch.Tensor, r: Routing):
+    """SiLU-and-mul + quantization of the sorted rows (fp8linear.swiglu_quant's numerics):
+    (fp8 [R, I], scale [R, Ib] as a view of the token-minor [Ib, ld]); rows of unused tiles
+    are not written."""
+    q, scale_t = _buffers(gate_up[:, :gate_up.shape[1] // 2])
+    swiglu_quant.launch(gate_up, q, scale_t, tile_expert=r.tile_expert, tile=r.token_tile)
     return q, scale_t[:, :r.rows].t()
 
 

@@ -102,8 +102,9 @@ def launch_settings(x, groups: int, cap: int, forced=None, pdl=None, warps=None,
     FP8LINEAR_PDL allows."""
     index = x.device.index or 0
     m = x.shape[0]
-    if pdl is None:
-        pdl = _capability(index)[0] >= 9 and knobs.get(knobs.PDL) != "0"
+    if pdl is None:  # (not under the CPU interpreter)
+        pdl = (x.device.type == "cuda" and _capability(index)[0] >= 9
+               and knobs.get(knobs.PDL) != "0")
     cg, nw = fused_quant_split(m, groups, device_info(x.device.type, index).sms,
                                           cap, whole_row=norm)
     early = pdl and fused_quant_early_trigger(m, norm)

@@ -34,10 +34,19 @@ def check_stages(m, k, e, tile, routing, device):
     par = tm.route_parallel(ids, e, tile)
     for f in ("tile_expert", "row_token", "slot_row"):
         assert torch.equal(getattr(par, f), getattr(want, f)), (f, getattr(par, f))
+    # rows of used tiles (the kernels leave the others unwritten; the GEMMs skip them)
+    used = (want.tile_expert >= 0).repeat_interleave(tile)
     x = (torch.randn(m, 272, generator=gen) * 3).to(torch.bfloat16).to(device)
-    q, s = tm.gather_quant(x, got)
     q0, s0 = mr.gather_quant(x, want)
-    assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
+    for groups in (None, 1, 2):
+        q, s = tm.gather_quant(x, got, groups)
+        assert torch.equal(q.view(torch.uint8)[used], q0.view(torch.uint8)[used]), groups
+        assert torch.equal(s[used], s0[used]), groups
+    gate_up = (torch.randn(got.rows, 512, generator=gen) * 2).to(torch.bfloat16).to(device)
+    hq, hs = tm.silu_mul_quant(gate_up, got)
+    hq0, hs0 = mr.silu_mul_quant_rows(gate_up, want)
+    assert torch.equal(hq.view(torch.uint8)[used], hq0.view(torch.uint8)[used])
+    assert torch.equal(hs[used], hs0[used]) and hs.shape == hs0.shape
     y = torch.randn(got.rows, 200, generator=gen).to(device)
     w = torch.rand(m, k, generator=gen).to(device)
     out, ref = tm.combine(y, got, w, torch.float32), mr.combine(y, want, w, torch.float32)
@@ -55,7 +64,8 @@ def check_pipeline(device):
     w2, s2 = experts(e, h, inter, gen)
     ids = topk_ids(m, k, e, gen, "random")
     wts = torch.softmax(torch.randn(m, k, generator=gen), 1)
-    stages = mr.Stages(tm.route, tm.gather_quant, reference.grouped_gemm, tm.combine)
+    stages = mr.Stages(tm.route, tm.gather_quant, reference.grouped_gemm, tm.silu_mul_quant,
+                       tm.combine)
     args = [t.to(device) for t in (x, w13, s13, w2, s2, wts, ids)]
     got = mr.sorted_moe(*args, 8, stages).cpu()
     want = moe_reference(x, w13, s13, w2, s2, wts, ids)
