@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """End-to-end vLLM serving benchmark (issue 6, part 1): decode time per output token of
-`--quantization fp8_blockgemm` against vLLM's own block-FP8 kernels and BF16, on one GPU,
-vLLM 0.24.0 (installed per ../shared/vllm-device/README.md).
+`--quantization fp8_blockgemm` against vLLM's own block-FP8 kernels and BF16, on one GPU
+(NAME@tp<N> / NAME@ep<N> engines: on N), vLLM 0.24.0 (installed per
+../shared/vllm-device/README.md).
 
 Models (built on the device, no downloads; stage `models`): a Llama-3.1-8B-shaped model
 (hidden 4096, 32 query / 8 KV heads of 128, FFN 14336, vocab 128256, untied lm_head) with
@@ -28,6 +29,11 @@ Engine configurations (stage `engines`; one fresh process each, time-boxed, run 
   fp8_deepgemm_pdl       same Inductor setting for the anchors (--compile vllm)
 Default: bf16,fp8_blockgemm,fp8_cutlass. The fp8linear kernels must be built beforehand
 (`python -m fp8linear.cli build`; e2e_device.sh does it), so engine start does not include it.
+Multi-GPU variants by suffix, beside the TP1 engines in one run: NAME@tp<N> runs NAME with
+tensor_parallel_size=N, NAME@ep<N> (MoE shapes) also with enable_expert_parallel=True (experts
+split over the N GPUs); weight and KV cache GiB are then per GPU, and each is compared with its
+TP1 engine NAME on the same scored sequence (JSON key parallel_vs_tp1). E.g. --shape qwen3_30b_a3b
+--configs fp8_cutlass,fp8_blockgemm,fp8_blockgemm@tp2,fp8_blockgemm@ep2 on two GPUs.
 
 CUDA graphs are on. Default --compile none: compilation mode NONE (no torch.compile) with
 cudagraph_mode FULL_DECODE_ONLY, capture sizes = the batch sizes: every decode step is one
@@ -102,6 +108,19 @@ ALIASES = {"online": "fp8_blockgemm_online", "deepgemm": "fp8_deepgemm",
            "nopdl": "fp8_blockgemm_nopdl", "nofuse": "fp8_blockgemm_nofuse",
            "cutlass_pdl": "fp8_cutlass_pdl",
            "deepgemm_pdl": "fp8_deepgemm_pdl"}
+
+# NVLink multicast stays off on shared hosts (it can take their GPUs down): vLLM's
+# symmetric-memory all-reduce would use it, so its custom all-reduce or NCCL run instead
+PARALLEL_ENV = {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "NCCL_NVLS_ENABLE": "0",
+                "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def parallel(name: str) -> tuple[str, int, bool]:
+    """(TP1 base config, tensor_parallel_size, expert parallel) of an engine name X, X@tpN or
+    X@epN (a suffix --merge appended after it stays on the base: X@tp2_seqs256 -> X_seqs256)."""
+    m = re.fullmatch(r"(.+?)@(tp|ep)(\d+)(.*)", name)
+    return (m[1] + m[4], int(m[3]), m[2] == "ep") if m else (name, 1, False)
+
 
 LLAMA8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                num_key_value_heads=8, head_dim=128, vocab_size=128256)
@@ -288,6 +307,29 @@ def prompts(n: int, length: int, seed: int, vocab: int = 128000) -> list[dict]:
             for _ in range(n)]
 
 
+def llm_kwargs(spec: dict) -> dict:
+    """vLLM's LLM(...) arguments for an engine spec (run_engine's engine_spec)."""
+    sizes = sorted(set(spec["batches"]))
+    cc = {"cudagraph_capture_sizes": sizes}
+    if spec["compile"] == "none":
+        cc.update(mode="NONE", cudagraph_mode="FULL_DECODE_ONLY")
+    kw = dict(model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+              gpu_memory_utilization=spec["gpu_memory_utilization"],
+              max_model_len=spec["max_model_len"],
+              max_num_seqs=max(sizes + ([spec["prefill"][0]] if spec.get("prefill") else [])),
+              max_num_batched_tokens=max(8192, max(sizes) * spec["prompt_len"]),
+              enable_prefix_caching=False, enforce_eager=False, compilation_config=cc)
+    if spec["quantization"]:
+        kw["quantization"] = spec["quantization"]
+    if spec.get("dummy_weights"):
+        kw["load_format"] = "dummy"
+    if spec.get("tensor_parallel_size", 1) > 1:
+        # expert parallel size = TP x DP (1) when enable_expert_parallel is set
+        kw.update(tensor_parallel_size=spec["tensor_parallel_size"],
+                  enable_expert_parallel=bool(spec.get("expert_parallel")))
+    return kw
+
+
 def worker(spec_path: str) -> int:
     """One engine configuration in this process: start, decode timings, log-probabilities.
     Writes spec["result"] (JSON) after every phase; exits hard (the parent kills the engine
@@ -309,19 +351,7 @@ def worker(spec_path: str) -> int:
     res.update(import_s=round(time.time() - t0, 1), vllm=vllm.__version__, torch=torch.__version__)
     batches = spec["batches"]
     sizes = sorted(set(batches))
-    cc = {"cudagraph_capture_sizes": sizes}
-    if spec["compile"] == "none":
-        cc.update(mode="NONE", cudagraph_mode="FULL_DECODE_ONLY")
-    kw = dict(model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", seed=0,
-              gpu_memory_utilization=spec["gpu_memory_utilization"],
-              max_model_len=spec["max_model_len"],
-              max_num_seqs=max(sizes + ([spec["prefill"][0]] if spec.get("prefill") else [])),
-              max_num_batched_tokens=max(8192, max(sizes) * spec["prompt_len"]),
-              enable_prefix_caching=False, enforce_eager=False, compilation_config=cc)
-    if spec["quantization"]:
-        kw["quantization"] = spec["quantization"]
-    if spec.get("dummy_weights"):
-        kw["load_format"] = "dummy"
+    kw = llm_kwargs(spec)
     res["llm_kwargs"] = {k: v for k, v in kw.items()}
     print("E2E_LLM_KWARGS " + json.dumps(res["llm_kwargs"]), flush=True)
     t1 = time.time()
@@ -489,10 +519,10 @@ def kill_group(proc, grace=5.0):
             time.sleep(0.2)
 
 
-def run_engine(name, args, work, timeout, tf_tokens) -> dict:
-    ckpt, quant, extra_env = CONFIGS[name]
-    logs = os.path.join(work, "logs")
-    os.makedirs(logs, exist_ok=True)
+def engine_spec(name, args, work, timeout, tf_tokens) -> tuple[dict, dict]:
+    """(the worker's spec, its extra environment) for engine `name` (X, X@tpN or X@epN)."""
+    base, tp, ep = parallel(name)
+    ckpt, quant, extra_env = CONFIGS[base]
     spec = {"name": name, "model": os.path.join(work, ckpt), "quantization": quant,
             "batches": args.batch_list, "prompt_len": args.prompt_len, "out_len": args.out_len,
             "prefill": args.prefill_spec,
@@ -501,7 +531,15 @@ def run_engine(name, args, work, timeout, tf_tokens) -> dict:
             "soft_deadline": time.time() + timeout - args.reserve_s,
             "vocab": min(128000, MODEL["vocab_size"]),
             "dummy_weights": is_moe() and ckpt == "bf16",
+            "tensor_parallel_size": tp, "expert_parallel": ep,
             "tf_tokens": tf_tokens, "result": os.path.join(work, f"result_{name}.json")}
+    return spec, dict(extra_env, **(PARALLEL_ENV if tp > 1 else {}))
+
+
+def run_engine(name, args, work, timeout, tf_tokens) -> dict:
+    logs = os.path.join(work, "logs")
+    os.makedirs(logs, exist_ok=True)
+    spec, extra_env = engine_spec(name, args, work, timeout, tf_tokens)
     spec_path = os.path.join(work, f"spec_{name}.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
@@ -533,11 +571,46 @@ def run_engine(name, args, work, timeout, tf_tokens) -> dict:
     with open(log_path, errors="replace") as f:
         text = f.read()
     res.update(parse_log(text))
-    res.update(name=name, checkpoint=ckpt, quantization=quant, env=extra_env, rc=rc,
+    res.update(name=name, checkpoint=os.path.basename(spec["model"]),
+               quantization=spec["quantization"], env=extra_env,
+               tensor_parallel_size=spec["tensor_parallel_size"],
+               expert_parallel=spec["expert_parallel"], rc=rc,
                process_wall_s=round(wall, 1), log=os.path.relpath(log_path, work))
     if res.get("errors") and not res.get("decode"):
         res["log_tail"] = text[-3000:]
     return res
+
+
+def logprob_deltas(r: dict, ref: dict, ref_name: str) -> dict:
+    """Engine result `r` against `ref` on the sequence both scored: |delta logprob| of the
+    prompt tokens and of the greedy tokens after them, top-1 agreement, own greedy tokens."""
+    n_prompt = LP_PROMPT_LEN - 1          # tf_logprobs[i] scores seq[i + 1]
+    # the same sequence scored: the prompt + bf16's greedy tokens, when bf16 ran first in
+    # the same invocation; else (bf16 run apart, --merge) the prompt part alone compares.
+    # (A saved run keeps tf_seq for bf16 only; tf_source says whose tokens were scored.)
+    if "tf_seq" in r and "tf_seq" in ref:
+        same = r["tf_seq"] == ref["tf_seq"]
+        if not same and r["tf_seq"][:LP_PROMPT_LEN] != ref["tf_seq"][:LP_PROMPT_LEN]:
+            return {"error": f"scored a different sequence than {ref_name}"}
+    else:   # (bf16 itself scored its own tokens: tf_source "own")
+        same = all(x.get("tf_source", "bf16") == "bf16" or x.get("name") == "bf16"
+                   for x in (r, ref))
+    n = len(r["tf_logprobs"]) if same else n_prompt
+    d = [abs(a - b) for a, b in zip(r["tf_logprobs"][:n], ref["tf_logprobs"][:n])]
+    dp, dg = d[:n_prompt], d[n_prompt:]
+    top = [a == b for a, b in zip((r.get("tf_top1") or [])[:n], (ref.get("tf_top1") or [])[:n])]
+    g1, g0 = r.get("greedy_tokens") or [], ref.get("greedy_tokens") or []
+    return {
+        "greedy_abs_dlogprob_mean": sum(dg) / len(dg) if dg else None,
+        "greedy_abs_dlogprob_max": max(dg) if dg else None,
+        "prompt_abs_dlogprob_mean": sum(dp) / len(dp) if dp else None,
+        "prompt_abs_dlogprob_max": max(dp) if dp else None,
+        "top1_agreement": sum(top) / len(top) if top else None,
+        "scored": "prompt + bf16's greedy tokens" if same else "prompt only",
+        "greedy_tokens_equal": g1 == g0,
+        "greedy_first_divergence": next((i for i, (a, b) in enumerate(zip(g1, g0)) if a != b),
+                                        None),
+    }
 
 
 def compare_logprobs(results: dict) -> dict:
@@ -546,39 +619,15 @@ def compare_logprobs(results: dict) -> dict:
     out = {}
     if not ref or "tf_logprobs" not in ref:
         return out
-    n_prompt = LP_PROMPT_LEN - 1          # tf_logprobs[i] scores seq[i + 1]
+    n_prompt = LP_PROMPT_LEN - 1
     for name, r in results.items():
-        if name in ("bf16", ref_name) or "tf_logprobs" not in r:
+        # (bf16@tpN: against bf16 under parallel_vs_tp1; the MoE model's runs dummy weights)
+        if name == ref_name or parallel(name)[0] == "bf16" or "tf_logprobs" not in r:
             continue
-        # the same sequence scored: the prompt + bf16's greedy tokens, when bf16 ran first in
-        # the same invocation; else (bf16 run apart, --merge) the prompt part alone compares.
-        # (A saved run keeps tf_seq for bf16 only; tf_source says whose tokens were scored.)
-        if "tf_seq" in r:
-            same = r["tf_seq"] == ref.get("tf_seq")
-            prefix = (ref.get("tf_seq") or [])[:LP_PROMPT_LEN]
-            if not same and r["tf_seq"][:LP_PROMPT_LEN] != prefix:
-                out[name] = {"error": "scored a different sequence than bf16"}
-                continue
-        else:
-            same = r.get("tf_source", "bf16") == "bf16"
-        n = len(r["tf_logprobs"]) if same else n_prompt
-        d = [abs(a - b) for a, b in zip(r["tf_logprobs"][:n], ref["tf_logprobs"][:n])]
-        dp, dg = d[:n_prompt], d[n_prompt:]
-        top = [a == b for a, b in zip((r.get("tf_top1") or [])[:n], ref["tf_top1"][:n])]
-        g1, g0 = r.get("greedy_tokens") or [], ref.get("greedy_tokens") or []
-        first_div = next((i for i, (a, b) in enumerate(zip(g1, g0)) if a != b), None)
-        out[name] = {
-            "greedy_abs_dlogprob_mean": sum(dg) / len(dg) if dg else None,
-            "greedy_abs_dlogprob_max": max(dg) if dg else None,
-            "prompt_abs_dlogprob_mean": sum(dp) / len(dp) if dp else None,
-            "prompt_abs_dlogprob_max": max(dp) if dp else None,
-            "top1_agreement": sum(top) / len(top) if top else None,
-            "scored": "prompt + bf16's greedy tokens" if same else "prompt only",
-            "greedy_tokens_equal": g1 == g0,
-            "greedy_first_divergence": first_div,
-            "bf16_greedy_logprob_mean": (sum(ref["tf_logprobs"][n_prompt:])
-                                         / max(1, len(ref["tf_logprobs"][n_prompt:]))),
-        }
+        out[name] = logprob_deltas(r, ref, ref_name)
+        if "error" not in out[name]:
+            out[name]["bf16_greedy_logprob_mean"] = (sum(ref["tf_logprobs"][n_prompt:])
+                                                     / max(1, len(ref["tf_logprobs"][n_prompt:])))
     return out
 
 
@@ -587,25 +636,38 @@ VARIANTS = {"pdl_vs_nopdl": ("fp8_blockgemm_nopdl", "Inductor PDL on vs off"),
             "fuse_vs_nofuse": ("fp8_blockgemm_nofuse", "quantization fusion pass on vs off")}
 
 
-def compare_variant(results: dict, other: str) -> dict:
-    """fp8_blockgemm and `other` (itself with Inductor's PDL off, or with the quantization
-    fusion pass off) compute the same model on the same data: their greedy tokens and
-    prompt log-probabilities are compared (a missed wait would show here; so do rounding
-    changes, e.g. the fused kernels', and Inductor's compile-time choices, which can differ
-    between engine processes: NOTES, session 14)."""
-    a, b = results.get("fp8_blockgemm", {}), results.get(other, {})
+def compare_variant(results: dict, other: str, base: str = "fp8_blockgemm") -> dict:
+    """`base` and `other` compute the same model on the same data: fp8_blockgemm and itself
+    with Inductor's PDL off or with the quantization fusion pass off, or X and X@tpN / X@epN
+    (TP1 vs split over GPUs). Their greedy tokens and log-probabilities are compared (a missed
+    wait would show here; so do rounding changes, e.g. the fused kernels' or a TP all-reduce's,
+    and Inductor's compile-time choices, which can differ between engine processes: NOTES,
+    session 14); without a bf16 engine each scores its own greedy tokens: the prompt only."""
+    a, b = results.get(base, {}), results.get(other, {})
     if "tf_logprobs" not in a or "tf_logprobs" not in b:
         return {}
-    # the shared prompt's part (without a bf16 engine each scores its own greedy tokens after it)
-    n = LP_PROMPT_LEN - 1
-    d = [abs(x - y) for x, y in zip(a["tf_logprobs"][:n], b["tf_logprobs"][:n])]
-    return {"greedy_tokens_equal": a.get("greedy_tokens") == b.get("greedy_tokens"),
-            "prompt_abs_dlogprob_max": max(d) if d else None}
+    return logprob_deltas(b, a, base)
 
 
 def compare_variants(engines: dict) -> dict:
-    """{VARIANTS key: compare_variant} for the document."""
-    return {key: compare_variant(engines, other) for key, (other, _) in VARIANTS.items()}
+    """{VARIANTS key: compare_variant} and parallel_vs_tp1: {X@tpN / X@epN: compare_variant
+    with its TP1 engine X}, for the document."""
+    out = {key: compare_variant(engines, other) for key, (other, _) in VARIANTS.items()}
+    out["parallel_vs_tp1"] = {}
+    for name, r in engines.items():
+        base = parallel(name)[0]
+        if base == name:
+            continue
+        if base not in engines:
+            c = {"error": f"no TP1 engine {base} in this run"}
+        elif "dummy" in (r.get("llm_kwargs", {}).get("load_format"),
+                         engines[base].get("llm_kwargs", {}).get("load_format")):
+            # vLLM draws dummy weights per GPU's shard: not the TP1 engine's model
+            c = {"error": "dummy weights differ between TP sizes: not compared"}
+        else:
+            c = compare_variant(engines, name, base) or {"error": "no log-probabilities"}
+        out["parallel_vs_tp1"][name] = c
+    return out
 
 
 def decode_rows(engines: dict) -> list:
@@ -665,8 +727,10 @@ def nvidia_smi() -> dict:
         q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,"
                             "clocks.max.sm", "--format=csv,noheader"], capture_output=True,
                            text=True, timeout=20)
-        name, mem, drv, clk = [s.strip() for s in q.stdout.strip().splitlines()[0].split(",")]
-        return {"device": name, "device_memory": mem, "driver": drv, "max_sm_clock": clk}
+        gpus = q.stdout.strip().splitlines()
+        name, mem, drv, clk = [s.strip() for s in gpus[0].split(",")]
+        return {"device": name, "device_memory": mem, "driver": drv, "max_sm_clock": clk,
+                "device_count": len(gpus)}
     except Exception:  # noqa: BLE001
         return {"device": "unknown (nvidia-smi failed)"}
 
@@ -684,12 +748,28 @@ def model_name(model: dict) -> str:
             f"{'' if model['layers'] == full else f' (NOT the {full}-layer model)'}")
 
 
+def lp_words(c: dict) -> str:
+    """A logprob_deltas comparison in one line of the table."""
+    if not c or c.get("error"):
+        return (c or {}).get("error", "-")
+    parts = [f"{k} |dlogprob| mean/max {c[k + '_abs_dlogprob_mean']:.3f}/"
+             f"{c[k + '_abs_dlogprob_max']:.3f}" for k in ("greedy", "prompt")
+             if c.get(k + "_abs_dlogprob_mean") is not None]
+    if c.get("top1_agreement") is not None:
+        parts.append(f"top-1 agreement {c['top1_agreement']:.3f}")
+    div = c.get("greedy_first_divergence")
+    parts.append("greedy tokens equal" if c.get("greedy_tokens_equal") else
+                 "greedy tokens differ" + (f" from #{div}" if div is not None else ""))
+    return ", ".join(parts)
+
+
 def table(doc: dict) -> str:
     h, results = doc["header"], doc["engines"]
     batches = h["batches"]
+    w = max([21] + [len(n) + 1 for n in results])      # (X@tpN names may be longer)
     lines = [f"e2e_vllm: {h.get('device')}, vLLM {h.get('vllm')}, torch {h.get('torch')}, "
              f"{model_name(h['model'])}, compile={h['compile']}",
-             f"{'config':<21}{'start s':>8}{'wt GiB':>8}{'KV tok':>9} | ms per output token at "
+             f"{'config':<{w}}{'start s':>8}{'wt GiB':>8}{'KV tok':>9} | ms per output token at "
              f"batch " + "/".join(map(str, batches)) + " | prefill ms | dlogprob vs "
              f"{logprob_reference(h['model'])} "
              f"(greedy mean/max; p: the prompt's)"]
@@ -705,16 +785,18 @@ def table(doc: dict) -> str:
         kv = r.get("kv_cache_tokens")
         pf = r.get("prefill", {}).get("best_s")
         pfs = f"{pf * 1e3:10.1f}" if pf else f"{'-':>10}"
-        lines.append(f"{name:<21}{r.get('start_s', float('nan')):>8.1f}"
+        lines.append(f"{name:<{w}}{r.get('start_s', float('nan')):>8.1f}"
                      f"{r.get('weight_gib', float('nan')):>8.2f}"
                      f"{kv if kv is not None else '-':>9} | {cells} | {pfs} | {lps}")
         if r.get("errors"):
-            lines.append(f"{'':<21}errors: {'; '.join(r['errors'])[:300]}")
+            lines.append(f"{'':<{w}}errors: {'; '.join(r['errors'])[:300]}")
     for k, v in doc.get("targets", {}).items():
         lines.append(f"target {k}: {v}")
     for key, (_, what) in VARIANTS.items():
         if doc.get(key):
-            lines.append(f"fp8_blockgemm {what}: {doc[key]}")
+            lines.append(f"fp8_blockgemm {what}: {lp_words(doc[key])}")
+    for name, c in doc.get("parallel_vs_tp1", {}).items():
+        lines.append(f"{name} vs TP1 {parallel(name)[0]}: {lp_words(c)}")
     if h.get("skipped"):
         lines.append(f"skipped: {h['skipped']}")
     return "\n".join(lines)
@@ -727,9 +809,10 @@ def _per_token(results: dict, name: str) -> dict:
 
 
 def targets(results: dict, batches) -> dict:
-    """Issue 6's decode target: fp8_blockgemm <= best vLLM fp8 / 1.15 at batch 1-64."""
+    """Issue 6's decode target: fp8_blockgemm <= best vLLM fp8 / 1.15 at batch 1-64. TP1
+    engines against TP1 anchors only; fp8_blockgemm@tpN / @epN against the anchors of the same
+    suffix, or without one its times alone."""
     out = {}
-    ours = _per_token(results, "fp8_blockgemm")
 
     def best(names):
         fp8 = {}
@@ -741,30 +824,39 @@ def targets(results: dict, batches) -> dict:
                 fp8[b] = min(fp8.get(b, 1e9), ms)
         return fp8
 
-    for label, names in (("best vLLM fp8", ("fp8_cutlass", "fp8_deepgemm")),
-                         ("best vLLM fp8 with Inductor PDL too",
-                          ("fp8_cutlass_pdl", "fp8_deepgemm_pdl"))):
-        fp8 = best(names)
-        parts = []
-        for b in batches:
-            if b <= 64 and b in ours and b in fp8:
-                sp = fp8[b] / ours[b]
-                parts.append(f"b{b} {sp:.2f}x {'PASS' if sp >= 1.15 else 'FAIL'}")
-        if parts:
-            out[f"fp8_blockgemm vs {label} (need >= 1.15x)"] = ", ".join(parts)
-    bf = _per_token(results, "bf16")
-    # (fp8_blockgemm_*: the same engine with other settings, e.g. --b256's max_num_seqs 256
-    # kept beside the batch 1-64 run by --merge)
-    for name in ["fp8_blockgemm"] + sorted(n for n in results
-                                           if n.startswith("fp8_blockgemm_seqs")):
-        mine = _per_token(results, name)
-        parts = [f"b{b} {bf[b] / mine[b]:.2f}x" for b in batches if b in mine and b in bf]
-        if parts:
-            out[f"{name} speedup vs bf16"] = ", ".join(parts)
-        if 256 in mine and 256 in bf:
-            out[f"{name} faster than bf16 at batch 256"] = (
-                f"{mine[256]:.2f} vs {bf[256]:.2f} ms "
-                f"{'PASS' if mine[256] < bf[256] else 'FAIL'}")
+    suffixes = [""] + sorted({n[len("fp8_blockgemm"):] for n in results
+                              if n.startswith("fp8_blockgemm@")})
+    for sfx in suffixes:
+        us = "fp8_blockgemm" + sfx
+        ours = _per_token(results, us)
+        n_before = len(out)
+        for label, names in (("best vLLM fp8", ("fp8_cutlass", "fp8_deepgemm")),
+                             ("best vLLM fp8 with Inductor PDL too",
+                              ("fp8_cutlass_pdl", "fp8_deepgemm_pdl"))):
+            fp8 = best([n + sfx for n in names])
+            parts = []
+            for b in batches:
+                if b <= 64 and b in ours and b in fp8:
+                    sp = fp8[b] / ours[b]
+                    parts.append(f"b{b} {sp:.2f}x {'PASS' if sp >= 1.15 else 'FAIL'}")
+            if parts:
+                out[f"{us} vs {label}{sfx} (need >= 1.15x)"] = ", ".join(parts)
+        bf = _per_token(results, "bf16" + sfx)
+        # (fp8_blockgemm_*: the same engine with other settings, e.g. --b256's max_num_seqs
+        # 256 kept beside the batch 1-64 run by --merge)
+        for name in [us] + (sorted(n for n in results if n.startswith("fp8_blockgemm_seqs"))
+                            if not sfx else []):
+            mine = _per_token(results, name)
+            parts = [f"b{b} {bf[b] / mine[b]:.2f}x" for b in batches if b in mine and b in bf]
+            if parts:
+                out[f"{name} speedup vs bf16{sfx}"] = ", ".join(parts)
+            if 256 in mine and 256 in bf:
+                out[f"{name} faster than bf16{sfx} at batch 256"] = (
+                    f"{mine[256]:.2f} vs {bf[256]:.2f} ms "
+                    f"{'PASS' if mine[256] < bf[256] else 'FAIL'}")
+        if sfx and ours and len(out) == n_before:
+            out[f"{us} ms per output token (no {sfx} anchor)"] = ", ".join(
+                f"b{b} {ours[b]:.2f}" for b in batches if b in ours)
     if results.get("fp8_blockgemm", {}).get("start_s") and results.get("bf16", {}).get("start_s"):
         dt = results["fp8_blockgemm"]["start_s"] - results["bf16"]["start_s"]
         out["engine start vs bf16 (need <= +30 s)"] = (f"{dt:+.1f} s "
@@ -788,9 +880,11 @@ def plot(doc: dict, png: str) -> None:
     for name, r in res.items():
         ds = [d for d in r.get("decode", []) if d.get("per_token_ms")]
         if ds:
-            c, m = style.get(name, (None, "."))
+            base, tp, ep = parallel(name)
+            c, m = style.get(base, (None, "."))
+            # X@tpN / X@epN: X's colour, dashed / dotted
             ax.plot([d["batch"] for d in ds], [d["per_token_ms"] for d in ds], marker=m,
-                    color=c, label=name)
+                    color=c, ls=":" if ep else "--" if tp > 1 else "-", label=name)
     ax.set_xscale("log", base=2)
     ax.set_xticks(h["batches"], [str(b) for b in h["batches"]])
     ax.set_xlabel("batch (concurrent sequences)")
@@ -848,9 +942,21 @@ def engines(args, models_rec) -> int:
                    "LLM.generate calls of `batch` requests; engine start = LLM(...) "
                    "constructor in a fresh process, fp8linear kernels prebuilt"),
         "skipped": []}
+    par = {n: parallel(n) for n in args.config_list if "@" in n}
+    if par:
+        h["parallel"] = {
+            "engines": {n: {"tensor_parallel_size": tp, "expert_parallel": ep}
+                        for n, (_, tp, ep) in par.items()},
+            "note": ("X@tpN: tensor_parallel_size=N; X@epN: also enable_expert_parallel=True "
+                     "(experts split over the N GPUs, attention tensor-parallel); weight and KV "
+                     "cache GiB per GPU; log-probabilities against the TP1 engine X in "
+                     "parallel_vs_tp1"),
+            "env": PARALLEL_ENV}
     doc = {"header": h, "engines": {}, "logprobs": {}, "targets": {}}
     slug = device_slug(smi.get("device", ""))
     shape = f"_{args.shape}" if is_moe() else ""
+    if par:   # (a multi-GPU run beside the same day's one-GPU file: h100x2)
+        slug += f"x{max(tp for _, tp, _ in par.values())}"
     name = f"{h['date'][:10]}_e2e_vllm{shape}_{slug}.json"
     out = args.out or os.path.join(HERE, "results", name)
     if os.path.isdir(out):
@@ -868,6 +974,10 @@ def engines(args, models_rec) -> int:
         if left < need:
             h["skipped"].append(f"{name}: {left:.0f} s left < {need} s")
             log(f"{name}: skipped, {left:.0f} s left")
+            continue
+        if parallel(name)[1] > smi.get("device_count", 1 << 30):
+            h["skipped"].append(f"{name}: {smi['device_count']} GPU(s)")
+            log(f"{name}: skipped, {smi['device_count']} GPU(s)")
             continue
         timeout = min(args.engine_timeout * (3 if name.startswith("fp8_deepgemm") else 1), left)
         tf = doc["engines"].get("bf16", {}).get("greedy_tokens")
@@ -935,7 +1045,11 @@ def parse_args(argv=None):
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
                    help=f"comma list of {', '.join(CONFIGS)} (aliases: online, deepgemm, "
                         f"cutlass, blockgemm); a leading '+' adds to the default. "
-                        f"Run in this order; bf16 first gives the log-probability reference")
+                        f"Run in this order; bf16 first gives the log-probability reference. "
+                        f"NAME@tp<N>: NAME with tensor_parallel_size=N; NAME@ep<N> (MoE "
+                        f"--shape): also enable_expert_parallel=True (N >= 2 GPUs); compared "
+                        f"with NAME's log-probabilities, and in the targets with anchors of "
+                        f"the same suffix")
     p.add_argument("--batches", default="1,4,16,64")
     p.add_argument("--b256", action="store_true", help="add batch 256 (max_num_seqs 256)")
     p.add_argument("--prompt-len", type=int, default=128)
@@ -975,11 +1089,23 @@ def parse_args(argv=None):
         cl = DEFAULT_CONFIGS + "," + cl[1:]
     a.config_list = []
     for c in (x.strip() for x in cl.split(",")):
-        c = ALIASES.get(c, c)
-        if c and c not in CONFIGS:
-            p.error(f"unknown config {c!r}: one of {', '.join(CONFIGS)}")
-        if c and c not in a.config_list:
-            a.config_list.append(c)
+        base, at, sfx = c.partition("@")
+        base = ALIASES.get(base, base)
+        if (base or at) and base not in CONFIGS:
+            p.error(f"unknown config {base!r}: one of {', '.join(CONFIGS)}")
+        if at:
+            m = re.fullmatch(r"(tp|ep)(\d+)", sfx)
+            if not m:
+                p.error(f"config {c!r}: unknown suffix @{sfx}: @tp<N> (tensor parallel) or "
+                        f"@ep<N> (expert parallel)")
+            if int(m[2]) < 2:
+                p.error(f"config {c!r}: @{m[1]}{m[2]} needs N >= 2 (N = 1 is {base})")
+            if m[1] == "ep" and not is_moe(SHAPES[a.shape]):
+                p.error(f"config {c!r}: @ep needs a MoE --shape (qwen3_30b_a3b, tiny_moe), "
+                        f"not {a.shape}")
+            base = f"{base}@{m[1]}{int(m[2])}"
+        if base and base not in a.config_list:
+            a.config_list.append(base)
     a.batch_list = [int(b) for b in a.batches.split(",") if b.strip()]
     if a.b256 and 256 not in a.batch_list:
         a.batch_list.append(256)

@@ -125,3 +125,155 @@ def test_moe_models_stage_writes_block_fp8_experts_and_a_bf16_config(E, tmp_path
         assert str(w.dtype) == "torch.float8_e4m3fn" and tuple(w.shape) == (256, 256)
         assert tuple(s.shape) == (2, 2) and bool((s > 0).all())
         assert str(f.get_tensor("model.layers.0.mlp.gate.weight").dtype) == "torch.bfloat16"
+
+
+def test_parallel_suffixes_are_parsed_and_validated(E, capsys):
+    """NAME@tp<N> / NAME@ep<N>: TP1 engines and their multi-GPU variants in one run; a bad
+    suffix, N < 2 or @ep on a dense shape stop parse_args before anything runs."""
+    for shape in ("tiny_moe", "qwen3_30b_a3b"):
+        a = E.parse_args(["--shape", shape, "--configs",
+                          "fp8_blockgemm@tp2,fp8_blockgemm@ep2,blockgemm@ep02,fp8_blockgemm"])
+        assert a.config_list == ["fp8_blockgemm@tp2", "fp8_blockgemm@ep2", "fp8_blockgemm"]
+    assert E.parse_args(["--configs", "+cutlass@tp4"]).config_list == [
+        "bf16", "fp8_blockgemm", "fp8_cutlass", "fp8_cutlass@tp4"]
+    assert E.parallel("fp8_blockgemm@ep2") == ("fp8_blockgemm", 2, True)
+    assert E.parallel("fp8_cutlass@tp4") == ("fp8_cutlass", 4, False)
+    assert E.parallel("fp8_blockgemm@tp2_seqs256") == ("fp8_blockgemm_seqs256", 2, False)
+    assert E.parallel("fp8_blockgemm_nopdl") == ("fp8_blockgemm_nopdl", 1, False)
+    for configs, shape, msg in (
+            ("fp8_blockgemm@dp2", "tiny_moe", "unknown suffix @dp2: @tp<N> (tensor parallel) "
+                                              "or @ep<N> (expert parallel)"),
+            ("fp8_blockgemm@tp", "tiny_moe", "unknown suffix @tp:"),
+            ("fp8_blockgemm@tp2@ep2", "tiny_moe", "unknown suffix @tp2@ep2:"),
+            ("fp8_blockgemm@ep1", "tiny_moe", "@ep1 needs N >= 2"),
+            ("fp8_blockgemm@tp0", "llama8b", "@tp0 needs N >= 2"),
+            ("nope@tp2", "tiny_moe", "unknown config 'nope'"),
+            ("@tp2", "tiny_moe", "unknown config ''"),
+            ("fp8_blockgemm@ep2", "llama8b", "@ep needs a MoE --shape (qwen3_30b_a3b, tiny_moe), "
+                                             "not llama8b"),
+            ("bf16,fp8_cutlass@ep2", "tiny", "@ep needs a MoE --shape")):
+        with pytest.raises(SystemExit):
+            E.parse_args(["--shape", shape, "--configs", configs])
+        assert msg in capsys.readouterr().err, configs
+
+
+def test_ep2_engine_spec_and_llm_kwargs(E, monkeypatch):
+    """The worker's spec and LLM(...) kwargs of a @ep2 engine carry tensor_parallel_size=2
+    and enable_expert_parallel=True, the rest as its TP1 engine's; multicast stays off."""
+    monkeypatch.setattr(E, "MODEL", E.SHAPES["qwen3_30b_a3b"])
+    args = E.parse_args(["--shape", "qwen3_30b_a3b", "--configs",
+                         "fp8_blockgemm,fp8_blockgemm@ep2,fp8_cutlass@tp2,bf16@tp2"])
+    specs = {n: E.engine_spec(n, args, "/w", 300.0, [5, 6]) for n in args.config_list}
+    spec, env = specs["fp8_blockgemm@ep2"]
+    assert (spec["model"], spec["quantization"], spec["tensor_parallel_size"],
+            spec["expert_parallel"], spec["dummy_weights"], spec["tf_tokens"]) == (
+        "/w/fp8", "fp8_blockgemm", 2, True, False, [5, 6])
+    assert spec["result"] == "/w/result_fp8_blockgemm@ep2.json"
+    assert env == {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "NCCL_NVLS_ENABLE": "0",
+                   "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    kw = E.llm_kwargs(json.loads(json.dumps(spec)))          # as the worker reads it
+    assert kw["tensor_parallel_size"] == 2 and kw["enable_expert_parallel"] is True
+    assert kw["gpu_memory_utilization"] == 0.35 and kw["quantization"] == "fp8_blockgemm"
+    tp1_spec, tp1_env = specs["fp8_blockgemm"]
+    assert tp1_env == {} and (tp1_spec["tensor_parallel_size"], tp1_spec["expert_parallel"]) \
+        == (1, False)
+    tp1 = E.llm_kwargs(tp1_spec)
+    assert {k: v for k, v in kw.items()
+            if k not in ("tensor_parallel_size", "enable_expert_parallel")} == tp1
+    spec, env = specs["fp8_cutlass@tp2"]
+    kw = E.llm_kwargs(spec)
+    assert (kw["tensor_parallel_size"], kw["enable_expert_parallel"], kw["quantization"]) == \
+        (2, False, "fp8")
+    assert env["VLLM_USE_DEEP_GEMM"] == "0" and env["NCCL_NVLS_ENABLE"] == "0"
+    kw = E.llm_kwargs(specs["bf16@tp2"][0])
+    assert (kw["load_format"], kw["tensor_parallel_size"], "quantization" in kw) == \
+        ("dummy", 2, False)
+
+
+def _scored(prompt_d, greedy_d, top1_miss=0, greedy=None, own=False):
+    """An engine's log-probability fields: the reference's -1.0 everywhere plus the deltas."""
+    n = 127                                                # LP_PROMPT_LEN - 1
+    seq = list(range(128)) + (list(range(900, 932)) if not own else list(range(800, 832)))
+    lp = [-1.0 - prompt_d] * n + [-1.0 - d for d in greedy_d]
+    top = [1] * (n + 32)
+    for i in range(top1_miss):
+        top[i] = 2
+    return {"tf_seq": seq, "tf_logprobs": lp, "tf_top1": top,
+            "tf_source": "own" if own else "bf16",
+            "greedy_tokens": greedy or list(range(32)), "llm_kwargs": {}}
+
+
+def test_parallel_engines_compared_with_their_tp1_engine(E, monkeypatch):
+    """X@tpN / X@epN against X on the same scored sequence: |delta logprob| of the prompt and
+    greedy tokens, top-1 agreement, greedy tokens; prompt only where each scored its own."""
+    monkeypatch.setattr(E, "MODEL", E.SHAPES["tiny"])     # dense: bf16 is the reference
+    div = list(range(30)) + [77, 78]
+    results = {
+        "bf16": _scored(0, [0] * 32),
+        "bf16@tp2": _scored(0.001, [0] * 32),
+        "fp8_blockgemm": _scored(0, [0] * 32),
+        "fp8_blockgemm@tp2": _scored(0.01, [0] * 31 + [0.5], top1_miss=4, greedy=div),
+        "fp8_blockgemm@ep2": _scored(0.02, [3.0] * 32, own=True),
+        "fp8_cutlass@tp2": _scored(0, [0] * 32)}
+    par = E.compare_variants(results)["parallel_vs_tp1"]
+    tp2 = par["fp8_blockgemm@tp2"]
+    assert tp2["prompt_abs_dlogprob_mean"] == pytest.approx(0.01)
+    assert tp2["prompt_abs_dlogprob_max"] == pytest.approx(0.01)
+    assert tp2["greedy_abs_dlogprob_mean"] == pytest.approx(0.5 / 32)
+    assert tp2["greedy_abs_dlogprob_max"] == pytest.approx(0.5)
+    assert tp2["top1_agreement"] == pytest.approx(155 / 159)
+    assert (tp2["scored"], tp2["greedy_tokens_equal"], tp2["greedy_first_divergence"]) == (
+        "prompt + bf16's greedy tokens", False, 30)
+    ep2 = par["fp8_blockgemm@ep2"]                      # its own continuation: not compared
+    assert (ep2["scored"], ep2["greedy_abs_dlogprob_mean"], ep2["greedy_tokens_equal"]) == (
+        "prompt only", None, True)
+    assert ep2["prompt_abs_dlogprob_max"] == pytest.approx(0.02)
+    assert ep2["top1_agreement"] == 1.0
+    assert par["fp8_cutlass@tp2"] == {"error": "no TP1 engine fp8_cutlass in this run"}
+    assert par["bf16@tp2"]["prompt_abs_dlogprob_max"] == pytest.approx(0.001)
+    dummy = dict(results, **{n: dict(results[n], llm_kwargs={"load_format": "dummy"})
+                             for n in ("bf16", "bf16@tp2")})     # (the MoE model's bf16)
+    assert E.compare_variants(dummy)["parallel_vs_tp1"]["bf16@tp2"] == {
+        "error": "dummy weights differ between TP sizes: not compared"}
+    assert list(par) == ["bf16@tp2", "fp8_blockgemm@tp2", "fp8_blockgemm@ep2",
+                         "fp8_cutlass@tp2"]
+    # the reference comparison (dense: bf16) leaves bf16@tp2 out, keeps the TP engines
+    lp = E.compare_logprobs(results)
+    assert sorted(lp) == ["fp8_blockgemm", "fp8_blockgemm@ep2", "fp8_blockgemm@tp2",
+                          "fp8_cutlass@tp2"]
+    assert lp["fp8_blockgemm@tp2"]["greedy_abs_dlogprob_max"] == pytest.approx(0.5)
+    doc = {"header": {"model": {"layers": 32}, "batches": [1], "compile": "none"},
+           "engines": results, **E.compare_variants(results)}
+    lines = E.table(doc).splitlines()
+    assert ("fp8_blockgemm@tp2 vs TP1 fp8_blockgemm: greedy |dlogprob| mean/max 0.016/0.500, "
+            "prompt |dlogprob| mean/max 0.010/0.010, top-1 agreement 0.975, greedy tokens "
+            "differ from #30") in lines
+    assert ("fp8_blockgemm@ep2 vs TP1 fp8_blockgemm: prompt |dlogprob| mean/max 0.020/0.020, "
+            "top-1 agreement 1.000, greedy tokens equal") in lines
+    assert "fp8_cutlass@tp2 vs TP1 fp8_cutlass: no TP1 engine fp8_cutlass in this run" in lines
+
+
+def test_targets_table_and_plot_with_parallel_engines(E, tmp_path, capsys):
+    """TP1 engines meet TP1 anchors only; fp8_blockgemm@tp2 meets fp8_cutlass@tp2; @ep2
+    without an @ep2 anchor is reported without a ratio; table and plot take the names."""
+    a = _run(tmp_path / "a.json", {
+        "bf16": [6.0, 6.4], "fp8_blockgemm": [4.0, 4.0], "fp8_cutlass": [4.8, 5.6],
+        "fp8_blockgemm@tp2": [3.0, 3.2], "fp8_cutlass@tp2": [3.6, 4.0],
+        "fp8_blockgemm@ep2": [3.5, 3.3]})
+    out = tmp_path / "m.json"
+    assert E.main(["--merge", a, "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["targets"] == {
+        "fp8_blockgemm vs best vLLM fp8 (need >= 1.15x)": "b1 1.20x PASS, b4 1.40x PASS",
+        "fp8_blockgemm speedup vs bf16": "b1 1.50x, b4 1.60x",
+        "engine start vs bf16 (need <= +30 s)": "+0.0 s PASS",
+        "fp8_blockgemm@ep2 ms per output token (no @ep2 anchor)": "b1 3.50, b4 3.30",
+        "fp8_blockgemm@tp2 vs best vLLM fp8@tp2 (need >= 1.15x)":
+            "b1 1.20x PASS, b4 1.25x PASS"}
+    assert doc["parallel_vs_tp1"]["fp8_blockgemm@tp2"] == {"error": "no log-probabilities"}
+    assert (tmp_path / "m.png").stat().st_size > 0
+    lines = capsys.readouterr().out.splitlines()
+    row = next(ln for ln in lines if ln.startswith("fp8_blockgemm@tp2 "))
+    assert "  3.00   3.20 |" in row
+    assert "target fp8_blockgemm@ep2 ms per output token (no @ep2 anchor): b1 3.50, b4 3.30" \
+        in lines
