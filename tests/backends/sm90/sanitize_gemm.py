@@ -64,6 +64,7 @@ MOE_CASES = [
     (40, 4, 2, 384, 128, torch.bfloat16),
     (300, 8, 2, 256, 128, torch.bfloat16),   # >= 48 tokens an expert: the prefill kernel
     (200, 8, 2, 256, 256, torch.bfloat16),   # prefill again (an even index: also in --quick)
+    (100, 8, 2, 256, 128, torch.bfloat16),   # 200 slots: the one-program routing
 ]
 QUICK = [0, 2, 5, 6, 7]   # racecheck is slow on warp-specialized kernels: fewer cases
 # decode plans forced for the decode cases under --configs all (plan.forced pieces)
