@@ -106,16 +106,12 @@ def silu_mul_quant_rows(gate_up: torch.Tensor, r: Routing):
 
 @dataclass(frozen=True)
 class Stages:
-    """A backend's implementations of the stages (the torch ones here: backends/reference.py's
-    moe_stages)."""
+    """A backend's implementations of the stages (the torch ones below: TORCH)."""
     route: Callable          # (topk_ids, num_experts, token_tile) -> Routing
     gather_quant: Callable   # (x, Routing) -> (fp8 [R, K], scale [R, Kb], any strides)
     grouped_gemm: Callable   # (a, a_scale, w [E, N, K], w_scale, Routing, out, which) -> None
     silu_mul_quant: Callable  # (gate_up, Routing) -> (fp8 [R, I], scale [R, Ib], any strides)
     combine: Callable        # (y, Routing, topk_weights, dtype) -> out [M, H]
-    # route + gather_quant in one: (x, topk_ids, num_experts, token_tile) -> (Routing, q,
-    # scale); None: the two stages
-    route_gather_quant: Callable | None = None
 
 
 def sorted_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, token_tile: int,
@@ -124,11 +120,8 @@ def sorted_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, token_ti
     grouped GEMMs write bf16/fp16 gate_up (``which`` 0) and fp32 down outputs (1)."""
     m, h = x.shape
     num_experts, two_i, _ = w13.shape
-    if stages.route_gather_quant is not None:
-        r, xq, x_scale = stages.route_gather_quant(x, topk_ids, num_experts, token_tile)
-    else:
-        r = stages.route(topk_ids, num_experts, token_tile)
-        xq, x_scale = stages.gather_quant(x, r)
+    r = stages.route(topk_ids, num_experts, token_tile)
+    xq, x_scale = stages.gather_quant(x, r)
     gate_up = torch.empty(r.rows, two_i, dtype=x.dtype, device=x.device)
     stages.grouped_gemm(xq, x_scale, w13, w13_scale, r, gate_up, 0)
     hq, h_scale = stages.silu_mul_quant(gate_up, r)

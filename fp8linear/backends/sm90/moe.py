@@ -48,7 +48,6 @@ class MoePlan:
     pdl: bool = True         # moe-pdl: the GEMMs stream their weights under the kernel before
     prefill: bool = False    # moe-prefill: both GEMMs on the persistent large-M kernel
     parallel_route: bool = False  # moe-route-parallel: routing in three parallel launches
-    fused_route: bool = False     # moe-route-fused: routing + gather + quantization in one
     rule: str = dataclasses.field(default="", compare=False)
 
     @property
@@ -101,15 +100,9 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
     # launches (count, scan, place) instead of the one-program route, whose serial walk over
     # the slots grows with them (measured crossover 128-512)
     parallel = slots >= PARALLEL_ROUTE_MIN_SLOTS
-    # moe-route-fused: where the slots fit one routing step (<= 128 at 128 experts) and the
-    # tile is small, routing and gather + quantization in one launch, every program routing
-    # all the slots itself: one launch and the routing's serial steps less. gate_up then
-    # runs without PDL: its weight streaming reads tile_expert, which that kernel writes.
-    fused = not parallel and triton_moe.fused_route_fits(slots, experts, bt)
     rule += "+moe-pdl" if prefill else "+moe-split-fill+moe-pdl"
-    rule += "+moe-route-parallel" if parallel else "+moe-route-fused" if fused else ""
     return MoePlan(config, gemm(2 * inter, hidden), gemm(hidden, inter), True, prefill,
-                   parallel, fused, rule)
+                   parallel, rule + ("+moe-route-parallel" if parallel else ""))
 
 
 def prefill_takes(hidden: int, inter: int) -> bool:
@@ -122,9 +115,9 @@ _forced: dict = {}
 
 @contextlib.contextmanager
 def forced(token_tile: int | None = None, splits: int | None = None, pdl: bool | None = None,
-           prefill: bool | None = None, fused_route: bool | None = None):
-    """Overrides the rules' token tile, both GEMMs' K splits, PDL, the prefill kernel (which
-    takes 128-token tiles only) and the fused routing (where it fits) (benchmarks, tests)."""
+           prefill: bool | None = None):
+    """Overrides the rules' token tile, both GEMMs' K splits, PDL and the prefill kernel (which
+    takes 128-token tiles only) (benchmarks, tests)."""
     if token_tile is not None and token_tile not in DECODE_TILES:
         raise ValueError(f"token_tile must be one of {DECODE_TILES}, got {token_tile}")
     if splits is not None and splits < 1:
@@ -133,8 +126,7 @@ def forced(token_tile: int | None = None, splits: int | None = None, pdl: bool |
         raise ValueError(f"the prefill kernel takes {PREFILL_TILE}-token tiles, got {token_tile}")
     old = dict(_forced)
     _forced.update({k: v for k, v in (("token_tile", token_tile), ("splits", splits),
-                                      ("pdl", pdl), ("prefill", prefill),
-                                      ("fused_route", fused_route)) if v is not None})
+                                      ("pdl", pdl), ("prefill", prefill)) if v is not None})
     try:
         yield
     finally:
@@ -142,8 +134,7 @@ def forced(token_tile: int | None = None, splits: int | None = None, pdl: bool |
         _forced.update(old)
 
 
-def _apply_forced(plan: MoePlan, m: int, top_k: int, experts: int, hidden: int,
-                  inter: int) -> MoePlan:
+def _apply_forced(plan: MoePlan, hidden: int, inter: int) -> MoePlan:
     config = plan.config
     prefill = _forced.get("prefill", plan.prefill)
     if prefill and not prefill_takes(hidden, inter):
@@ -158,15 +149,8 @@ def _apply_forced(plan: MoePlan, m: int, top_k: int, experts: int, hidden: int,
     def g(old: GroupedGemmPlan, k: int) -> GroupedGemmPlan:
         splits = min(_forced.get("splits", old.splits), cdiv(k, BLOCK))
         return GroupedGemmPlan(splits, 2 if bt <= TWO_PER_SM_MAX_BT else 1)
-    fits = triton_moe.fused_route_fits(m * top_k, experts, bt)
-    fused = _forced.get("fused_route", plan.fused_route and fits)
-    if fused and not fits:
-        raise ValueError(f"the fused routing takes <= {triton_moe.FUSED_ROUTE_GROUP_ROWS}-token "
-                         f"tiles and one routing step of slots, got {m * top_k} slots, "
-                         f"{experts} experts, tile {bt}")
     return MoePlan(config, g(plan.gate_up, hidden), g(plan.down, inter),
-                   _forced.get("pdl", plan.pdl), prefill, plan.parallel_route and not fused,
-                   fused, "forced")
+                   _forced.get("pdl", plan.pdl), prefill, plan.parallel_route, "forced")
 
 
 def supported(hidden: int, inter: int, block_scales: bool) -> bool:
@@ -185,9 +169,8 @@ def _grouped_gemm(plan: MoePlan):
         g = plan.gate_up if which == 0 else plan.down
         tiles = cdiv(w.shape[1], ROWS) * r.tile_expert.shape[0]
         ws = g.splits * tiles * r.token_tile * ROWS if g.splits > 1 else 0
-        pdl = plan.pdl and not (which == 0 and plan.fused_route)  # (see moe-route-fused)
         library.load().grouped(a, a_scale, w, w_scale, out, r.tile_expert, ws, tiles,
-                               plan.config, g.splits, g.ctas_per_sm, pdl)
+                               plan.config, g.splits, g.ctas_per_sm, plan.pdl)
     return run
 
 
@@ -201,7 +184,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids):
     experts, two_i, _ = w13.shape
     plan = moe_plan(m, topk_ids.shape[1], experts, hidden, two_i // 2, _sms(x.device.index))
     if _forced:
-        plan = _apply_forced(plan, m, topk_ids.shape[1], experts, hidden, two_i // 2)
+        plan = _apply_forced(plan, hidden, two_i // 2)
     return sorted_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids,
                       plan.token_tile, stages(plan))
 
@@ -210,7 +193,6 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids):
 def stages(plan: MoePlan) -> Stages:
     route = triton_moe.route_parallel if plan.parallel_route else triton_moe.route
     return Stages(route, triton_moe.gather_quant, _grouped_gemm(plan), triton_moe.silu_mul_quant,
-                  triton_moe.combine,
-                  triton_moe.route_gather_quant if plan.fused_route else None)
+                  triton_moe.combine)
 
 

@@ -9,8 +9,6 @@ fp8linear.moe_routing's ``route``, the gather + quantization of the sorted rows,
 - ``route_parallel``: the same rows in three launches whose work does not grow serially with
   the slots: one program a chunk of slots counts its chunk's experts; one program scans the
   chunks' counts (each chunk's first row per expert); one program a chunk places its slots.
-- ``route_gather_quant``: both in one launch for few slots (one routing step): every program
-  routes all the slots itself, then quantizes its tile's rows.
 - ``gather_quant``: sorted row r quantizes token row_token[r] (padding rows: zeros), with
   quant_group, the quant kernel's bit-exact numerics.
 - ``silu_mul_quant``: swiglu_quant.py's kernel over the sorted rows.
@@ -165,80 +163,6 @@ def route(topk_ids: torch.Tensor, num_experts: int, token_tile: int) -> Routing:
     return r
 
 
-@triton.jit
-def _route_gather_quant_kernel(ids_ptr, x_ptr, tile_expert_ptr, row_token_ptr, slot_row_ptr,
-                               q_ptr, s_ptr, s_ld, S, TOP_K, K, E: tl.constexpr,
-                               BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
-                               TILE: tl.constexpr, TILES, BLOCK_T: tl.constexpr,
-                               CG: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
-                               ROUND_FIRST: tl.constexpr):
-    # every program routes all S <= BLOCK_S slots itself (one step), then quantizes the rows
-    # of its tile (program_id 0) and its CG groups of channels (program_id 1)
-    experts = tl.arange(0, BLOCK_E)
-    slot, hit = _chunk_hits(ids_ptr, 0, S, BLOCK_E, BLOCK_S)
-    counts = tl.sum(hit, axis=0)
-    padded = (counts + TILE - 1) // TILE * TILE
-    ends = tl.cumsum(padded, axis=0)
-    before = tl.cumsum(hit, axis=0) - hit
-    row = tl.sum((before + (ends - padded)[None, :]) * hit, axis=1)
-    t = tl.program_id(0)
-    gb = tl.program_id(1)
-    if (t == 0) & (gb == 0):
-        tl.store(slot_row_ptr + slot, row.to(tl.int64), mask=slot < S)
-        _store_tile_experts(ends, experts, tile_expert_ptr, E, TILE, TILES, BLOCK_T)
-    # a sorted row's token: the slot placed there (-1: padding)
-    j = tl.arange(0, TILE * CG)
-    r = t * TILE + j // CG
-    placed = (row[None, :] == r[:, None]) & (slot < S)[None, :]
-    token = tl.max(tl.where(placed, slot[None, :] // TOP_K, -1), axis=1).to(tl.int64)
-    if gb == 0:
-        tl.store(row_token_ptr + r, token, mask=j % CG == 0)
-    # a tile past the last expert's rows is unused (the GEMMs skip it): nothing to quantize
-    used = tl.sum(((ends <= t * TILE) & (experts < E)).to(tl.int32), axis=0) < E
-    g = gb * CG + j % CG
-    live = g * 128 < tl.where(used, K, 0)
-    cols = g[:, None] * 128 + tl.arange(0, 128)[None, :]
-    x = tl.load(x_ptr + tl.maximum(token, 0)[:, None] * K + cols,
-                mask=(live & (token >= 0))[:, None] & (cols < K), other=0.0).to(tl.float32)
-    q, sc = quant_group(x, FP8_MAX_C, EPS, ROUND_FIRST)
-    tl.store(q_ptr + r.to(tl.int64)[:, None] * K + cols, q, mask=live[:, None] & (cols < K))
-    tl.store(s_ptr + g.to(tl.int64) * s_ld + r, tl.where(token >= 0, sc, 0.0), mask=live)
-
-
-# the (row, group) pairs a program of route_gather_quant quantizes, at most
-FUSED_ROUTE_GROUP_ROWS = 32
-
-
-def fused_route_fits(slots: int, num_experts: int, token_tile: int) -> bool:
-    """Whether route_gather_quant takes the routing: all slots in one routing step, and a
-    token tile of at most FUSED_ROUTE_GROUP_ROWS rows."""
-    return slots <= _route_step(num_experts) and token_tile <= FUSED_ROUTE_GROUP_ROWS
-
-
-def route_gather_quant(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
-                       token_tile: int):
-    """route and gather_quant in one launch, for few slots (``fused_route_fits``):
-    (Routing, fp8 [R, K], scale [R, Kb] as a view of the token-minor [Kb, ld])."""
-    r, slots, block_e, block_s, warps = _routing(topk_ids, num_experts, token_tile)
-    k = x.shape[1]
-    kb = cdiv(k, BLOCK)
-    q = torch.empty(r.rows, k, dtype=FP8_DTYPE, device=x.device)
-    scale_t = torch.empty(kb, cdiv(r.rows, 4) * 4, dtype=torch.float32, device=x.device)
-    cg = min(triton.next_power_of_2(kb), FUSED_ROUTE_GROUP_ROWS // token_tile)
-    tiles = r.tile_expert.shape[0]
-    _route_gather_quant_kernel[(tiles, cdiv(kb, cg))](
-        topk_ids, x, r.tile_expert, r.row_token, r.slot_row, q, scale_t, scale_t.shape[1],
-        slots, topk_ids.shape[1], k, num_experts, block_e, block_s, token_tile, tiles, 32, cg,
-        FP8_MAX, AMAX_EPS, needs_round_first(x.device), num_warps=warps)
-    return r, q, scale_t[:, :r.rows].t()
-
-
-def _route_step(num_experts: int) -> int:
-    """Slots a routing step compares with every expert ([slots, experts] of at most
-    ROUTE_TILE_ELEMENTS)."""
-    return max(16, min(128, ROUTE_TILE_ELEMENTS // triton.next_power_of_2(num_experts)))
-
-
 def _routing(topk_ids: torch.Tensor, num_experts: int, token_tile: int):
     """(the Routing's empty tensors, slots, expert block, slots a step, warps) of a routing
     launch: a step compares [slots, experts] of at most ROUTE_TILE_ELEMENTS."""
@@ -249,7 +173,8 @@ def _routing(topk_ids: torch.Tensor, num_experts: int, token_tile: int):
                 torch.empty(tiles * token_tile, dtype=torch.int64, device=dev),
                 torch.empty(m, k, dtype=torch.int64, device=dev))
     block_e = triton.next_power_of_2(num_experts)
-    return r, m * k, block_e, _route_step(num_experts), 8 if block_e >= 256 else 4
+    block_s = max(16, min(128, ROUTE_TILE_ELEMENTS // block_e))
+    return r, m * k, block_e, block_s, 8 if block_e >= 256 else 4
 
 
 @triton.jit

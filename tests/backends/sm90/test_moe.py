@@ -105,15 +105,6 @@ def test_fused_moe_matches_fp64(m, e, top_k, h, inter, routing, dtype, monkeypat
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,e,top_k,h,inter,routing,dtype", GPU_CASES[:5])
-def test_unfused_routing_matches_fp64(m, e, top_k, h, inter, routing, dtype, monkeypatch):
-    # the cases the fused routing takes, on the routing and gather launches instead
-    from fp8linear.backends.sm90 import moe as sm90_moe
-    with sm90_moe.forced(fused_route=False):
-        _check_case(m, e, top_k, h, inter, routing, dtype, monkeypatch)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("m,e,top_k,h,inter,routing,dtype", PREFILL_CASES)
 def test_prefill_kernel_matches_fp64(m, e, top_k, h, inter, routing, dtype, monkeypatch):
     from fp8linear.backends.sm90 import moe as sm90_moe
@@ -162,11 +153,10 @@ def _check_case(m, e, top_k, h, inter, routing, dtype, monkeypatch, prefill=None
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("piece", [{"prefill": False}, {"prefill": True},
-                                   {"fused_route": False}])
-def test_fused_moe_under_a_cuda_graph_follows_new_routing(piece):
+@pytest.mark.parametrize("prefill", [False, True])
+def test_fused_moe_under_a_cuda_graph_follows_new_routing(prefill):
     from fp8linear.backends.sm90 import moe as sm90_moe
-    with sm90_moe.forced(**piece):
+    with sm90_moe.forced(prefill=prefill):
         _graph_follows_routing()
 
 
@@ -199,31 +189,18 @@ def test_forced_pieces_are_checked_and_restored():
         with sm90_moe.forced(splits=0):
             pass
     with sm90_moe.forced(token_tile=64, pdl=False):
-        plan = sm90_moe._apply_forced(moe_plan(1, 8, 128, 2048, 768, 132), 1, 8, 128, 2048,
-                                      768)
+        plan = sm90_moe._apply_forced(moe_plan(1, 8, 128, 2048, 768, 132), 2048, 768)
         assert (plan.token_tile, plan.pdl, plan.gate_up.ctas_per_sm, plan.rule) == (
             64, False, 1, "forced")
-        assert not plan.fused_route  # (a 64-token tile: more than the fused routing takes)
     with pytest.raises(ValueError, match=r"^the prefill kernel takes 128-token tiles, got 64$"):
         with sm90_moe.forced(token_tile=64, prefill=True):
             pass
     with sm90_moe.forced(prefill=True):
-        plan = sm90_moe._apply_forced(moe_plan(1, 8, 128, 2048, 768, 132), 1, 8, 128, 2048,
-                                      768)
-        assert (plan.prefill, plan.token_tile, plan.fused_route) == (True, 128, False)
+        plan = sm90_moe._apply_forced(moe_plan(1, 8, 128, 2048, 768, 132), 2048, 768)
+        assert (plan.prefill, plan.token_tile) == (True, 128)
         with pytest.raises(ValueError, match=r"^the prefill kernel needs hidden and 2 \* "
                                              r"intermediate multiples of 128, got 2080, 768$"):
-            sm90_moe._apply_forced(moe_plan(1, 8, 128, 2080, 768, 132), 1, 8, 128, 2080, 768)
-    with sm90_moe.forced(fused_route=False):
-        plan = sm90_moe._apply_forced(moe_plan(1, 8, 128, 2048, 768, 132), 1, 8, 128, 2048,
-                                      768)
-        assert not plan.fused_route and not sm90_moe.stages(plan).route_gather_quant
-    with sm90_moe.forced(fused_route=True):
-        with pytest.raises(ValueError, match=r"^the fused routing takes <= 32-token tiles and "
-                                             r"one routing step of slots, got 1024 slots, "
-                                             r"128 experts, tile 16$"):
-            sm90_moe._apply_forced(moe_plan(128, 8, 128, 2048, 768, 132), 128, 8, 128, 2048,
-                                   768)
+            sm90_moe._apply_forced(moe_plan(1, 8, 128, 2080, 768, 132), 2080, 768)
     assert sm90_moe._forced == {}
 
 
@@ -249,18 +226,3 @@ def test_parallel_routing_from_256_slots(m, k, parallel):
     from fp8linear.backends.triton import moe as triton_moe
     want = triton_moe.route_parallel if parallel else triton_moe.route
     assert sm90_moe.stages(plan).route is want
-
-
-@pytest.mark.parametrize("model, m, fused", [
-    ("qwen3_30b_a3b", 1, True), ("qwen3_30b_a3b", 16, True),   # 128 slots: one step
-    ("qwen3_30b_a3b", 17, False), ("deepseek_v3", 8, True),     # 136; 64 at 256 experts
-    ("deepseek_v3", 9, False), ("mixtral_8x7b", 64, True),      # 72; 128 slots, tile 32
-    ("mixtral_8x7b", 65, False)])
-def test_fused_routing_where_the_slots_fit_one_step(model, m, fused):
-    from fp8linear.backends.sm90 import moe as sm90_moe
-    from fp8linear.backends.triton import moe as triton_moe
-    e, k, h, inter = MODELS[model]
-    plan = moe_plan(m, k, e, h, inter, 132)
-    assert plan.fused_route == fused and ("moe-route-fused" in plan.rule) == fused
-    st = sm90_moe.stages(plan)
-    assert st.route_gather_quant is (triton_moe.route_gather_quant if fused else None)
