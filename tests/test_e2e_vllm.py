@@ -60,6 +60,43 @@ def test_merge_refuses_other_workloads_and_a_missing_out(E, tmp_path, capsys):
     assert "--merge needs --out" in capsys.readouterr().err
 
 
+def test_moe_model_has_its_own_targets_and_prefill_target(E):
+    """The MoE model (issue 42): 1.25x at batch 1 and 4, 1.10x at 16 and 64, prefill 1.10x."""
+    def eng(per, prefill_s):
+        return {"decode": [{"batch": b, "per_token_ms": ms} for b, ms in zip((1, 4, 16, 64),
+                                                                           per)],
+                "prefill": {"best_s": prefill_s}}
+    results = {"fp8_blockgemm": eng([4.0, 6.0, 10.0, 15.0], 0.70),
+               "fp8_cutlass": eng([4.8, 7.2, 11.5, 16.0], 0.75)}
+    t = E.targets(results, [1, 4, 16, 64], {"num_experts": 128})
+    assert t["fp8_blockgemm vs best vLLM fp8 (need >= 1.25x at b1/b4, 1.10x at b16/b64)"] == \
+        "b1 1.20x FAIL, b4 1.20x FAIL, b16 1.15x PASS, b64 1.07x FAIL"
+    assert t["fp8_blockgemm prefill vs best vLLM fp8 (need >= 1.10x)"] == "1.07x FAIL"
+    dense = E.targets(results, [1, 4, 16, 64], {"layers": 8})
+    assert dense["fp8_blockgemm vs best vLLM fp8 (need >= 1.15x)"] == \
+        "b1 1.20x PASS, b4 1.20x PASS, b16 1.15x PASS, b64 1.07x FAIL"
+    assert not any("prefill" in k for k in dense)
+
+
+def test_merge_of_a_moe_run_compares_with_vllm_fp8(E, tmp_path):
+    """A saved MoE run (no BF16 reference: its BF16 engine runs dummy weights) keeps vLLM's
+    fp8 as the log-probability reference and the MoE targets when merged."""
+    n = E.LP_PROMPT_LEN - 1
+    a = _run(tmp_path / "a.json", {"fp8_blockgemm": [4.0, 6.0], "fp8_cutlass": [4.8, 6.6]},
+             model={"layers": 48, "num_experts": 128})
+    d = json.loads(open(a).read())
+    for name, lp in (("fp8_cutlass", -1.0), ("fp8_blockgemm", -1.25)):
+        d["engines"][name].update(tf_source="own", tf_logprobs=[lp] * (n + 3))
+    open(a, "w").write(json.dumps(d))
+    out = tmp_path / "m.json"
+    assert E.main(["--merge", a, "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    lp = doc["logprobs"]["fp8_blockgemm"]
+    assert lp["prompt_abs_dlogprob_mean"] == pytest.approx(0.25)
+    assert doc["targets"]["fp8_blockgemm vs best vLLM fp8 (need >= 1.25x at b1/b4, "
+                          "1.10x at b16/b64)"] == "b1 1.20x FAIL, b4 1.10x FAIL"
+
+
 def test_merge_keeps_a_renamed_run_and_compares_prompt_logprobs_across_runs(E, tmp_path):
     """JSON@SUFFIX keeps a run with other settings beside the same engines (its anchors
     still count for the target); batch lists may differ; an engine scored apart from bf16
