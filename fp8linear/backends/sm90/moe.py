@@ -36,7 +36,7 @@ PARALLEL_ROUTE_MIN_SLOTS = 256
 
 @dataclass(frozen=True)
 class GroupedGemmPlan:
-    splits: int       # K ranges, reduced in split order (deterministic)
+    splits: int       # K ranges, reduced in split order (deterministic); 1 for the prefill kernel
     ctas_per_sm: int  # 1, or 2 (token tiles <= 32)
 
 
@@ -84,6 +84,8 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
     tiles = active * cdiv(per_expert, bt)
 
     def gemm(n: int, k: int) -> GroupedGemmPlan:
+        if prefill:  # (the persistent kernel walks whole K: nothing to split)
+            return GroupedGemmPlan(1, 1)
         # moe-split-fill: split K until the expected CTAs fill the SMs' slots in one wave,
         # keeping >= 2 K blocks a split (the reduction pass costs more below that)
         num_kb = cdiv(k, BLOCK)

@@ -11,7 +11,7 @@ import torch
 import fp64_reference as R
 from fp8linear import quantize_activation
 from fp8linear.backends import dispatch
-from fp8linear.backends.sm90.moe import expected_active, moe_plan
+from fp8linear.backends.sm90.moe import GroupedGemmPlan, expected_active, moe_plan
 from fp8linear.moe import fused_moe, moe_reference
 from moe_cases import experts, topk_ids
 
@@ -213,6 +213,8 @@ def test_prefill_kernel_from_48_tokens_an_expert(model, m, prefill):
     plan = moe_plan(m, k, e, h, inter, 132)
     assert plan.prefill == prefill and ("moe-prefill" in plan.rule) == prefill
     assert plan.token_tile == 128 or not prefill
+    if prefill:  # no K splits: the persistent kernel walks whole K
+        assert plan.gate_up == plan.down == GroupedGemmPlan(1, 1)
     # hidden sizes off the 128 grid keep the decode kernel
     assert not moe_plan(m, k, e, h + 16, inter, 132).prefill
 
