@@ -216,8 +216,9 @@ def gather_quant(x: torch.Tensor, r: Routing, groups: int | None = None):
 
 
 # From 1024 sorted rows a gather program quantizes 16 (row, group) pairs (2048 values, 16 a
-# thread of 4 warps): Qwen3-30B-A3B's 3072-49152 rows 1.2-1.5x faster than 4 groups of one
-# row. Below, one row's 4 groups: M = 1 (72 rows) 2.5 against 4.1 us.
+# thread of 4 warps): with the skipped rows, Qwen3-30B-A3B M = 1024 75 us against 99 (one
+# row's 4 groups, no skipping). Below, one row's 4 groups: at M = 1 (72 rows) 16 pairs took
+# 4.1 us against 2.5 (docs/tuning.md).
 GATHER_WIDE_MIN_ROWS = 1024
 GATHER_GROUP_ROWS = 16
 
