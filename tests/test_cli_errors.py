@@ -68,7 +68,10 @@ def test_ctrl_c_cleans_up_and_exits_130(ckpt, capsys, monkeypatch):
 
 def test_a_real_sigint_exits_130_without_a_traceback(ckpt):
     # the signal itself (not a raised KeyboardInterrupt), in the middle of the conversion
+    # (a shell's background job inherits SIGINT ignored, and Python then keeps it ignored: set
+    # the handler an interactive shell's child starts with)
     code = ("import os, signal, sys\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "from fp8linear.checkpoint import convert\n"
             "real = convert.quantize_weight\n"
             "def interrupted(*a, **kw):\n"
