@@ -106,7 +106,8 @@ def silu_mul_quant_rows(gate_up: torch.Tensor, r: Routing):
 
 @dataclass(frozen=True)
 class Stages:
-    """A backend's implementations of the stages (the torch ones below: TORCH)."""
+    """A backend's implementations of the stages (the torch ones here:
+    backends/reference.py's moe_stages)."""
     route: Callable          # (topk_ids, num_experts, token_tile) -> Routing
     gather_quant: Callable   # (x, Routing) -> (fp8 [R, K], scale [R, Kb], any strides)
     grouped_gemm: Callable   # (a, a_scale, w [E, N, K], w_scale, Routing, out, which) -> None

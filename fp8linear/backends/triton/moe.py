@@ -24,7 +24,6 @@ import triton.language as tl
 
 from ...moe_routing import Routing, max_tiles
 from ...quant import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX, cdiv
-from ...norm_quant import _buffers
 from . import swiglu_quant
 from .quant import needs_round_first, quant_group
 
@@ -206,13 +205,20 @@ def gather_quant(x: torch.Tensor, r: Routing, groups: int | None = None):
     program (tests, benchmarks)."""
     k = x.shape[1]
     kb = cdiv(k, BLOCK)
-    q = torch.empty(r.rows, k, dtype=FP8_DTYPE, device=x.device)
-    scale_t = torch.empty(kb, cdiv(r.rows, 4) * 4, dtype=torch.float32, device=x.device)
+    q, scale_t = _sorted_buffers(r, k, x.device)
     cg, gr = gather_split(kb, r.rows, groups)
     _gather_quant_kernel[(cdiv(r.rows, gr // cg), cdiv(kb, cg))](
         x, r.row_token, r.tile_expert, q, scale_t, scale_t.shape[1], r.rows, k, r.token_tile,
         cg, gr, FP8_MAX, AMAX_EPS, needs_round_first(x.device), num_warps=4)
     return q, scale_t[:, :r.rows].t()
+
+
+def _sorted_buffers(r: Routing, k: int, device):
+    """fp8 [R, k] and its token-minor scales [ceil(k / 128), R rounded up to 4] (the GEMMs'
+    16-byte aligned scale rows) for the sorted rows."""
+    return (torch.empty(r.rows, k, dtype=FP8_DTYPE, device=device),
+            torch.empty(cdiv(k, BLOCK), cdiv(r.rows, 4) * 4, dtype=torch.float32,
+                        device=device))
 
 
 # From 1024 sorted rows a gather program quantizes 16 (row, group) pairs (2048 values, 16 a
@@ -236,7 +242,7 @@ def silu_mul_quant(gate_up: torch.Tensor, r: Routing):
     """SiLU-and-mul + quantization of the sorted rows (fp8linear.swiglu_quant's numerics):
     (fp8 [R, I], scale [R, Ib] as a view of the token-minor [Ib, ld]); rows of unused tiles
     are not written."""
-    q, scale_t = _buffers(gate_up[:, :gate_up.shape[1] // 2])
+    q, scale_t = _sorted_buffers(r, gate_up.shape[1] // 2, gate_up.device)
     swiglu_quant.launch(gate_up, q, scale_t, tile_expert=r.tile_expert, tile=r.token_tile)
     return q, scale_t[:, :r.rows].t()
 
