@@ -14,7 +14,12 @@ same run.
 
 Methods: fp8linear_moe (fp8linear.fused_moe); vllm_triton_moe (vLLM's Triton fused MoE,
 torch.ops.vllm.fused_experts, with its tuned config for the shape and GPU where vLLM ships
-one, else its default: the row's `config` says which). Needs vLLM for the latter.
+one, else its default: the row's `config` says which); vllm_deepgemm_moe (vLLM's DeepGEMM
+MoE experts, DeepGemmExperts in its modular kernel: DeepGEMM's m-grouped contiguous GEMMs
+over rows padded to 128 an expert, with vLLM's permutation, SiLU-and-mul + quantization and
+combine; the weights prepared as vLLM prepares them). vLLM runs DeepGEMM only where it takes
+the shape (from 128 tokens, intermediate > 512) and its Triton MoE below: the DeepGEMM
+method has rows only where it ran. The vLLM methods need vLLM (the DeepGEMM one its DeepGEMM).
 """
 from __future__ import annotations
 
@@ -51,7 +56,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--ms", default=",".join(map(str, MS)))
-    p.add_argument("--methods", default="fp8linear_moe,vllm_triton_moe")
+    p.add_argument("--methods", default="fp8linear_moe,vllm_triton_moe,vllm_deepgemm_moe")
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--explore-tiles", default="",
                    help="e.g. 64,128: also fp8linear_moe@t<tile> (token tile forced) at M >= 128")
@@ -91,7 +96,48 @@ def vllm_config(e: int, inter: int) -> str:
     return f"tuned: {name}" if os.path.exists(path) else "default (no tuned file for this shape)"
 
 
-def make_call(method, x, w13, s13, w2, s2, routes):
+class VllmDeepGemm:
+    """vLLM's DeepGEMM MoE experts for one model's weights: its modular kernel (no-EP
+    prepare/finalize, DeepGemmExperts), the weights through vLLM's DeepGEMM preparation."""
+
+    def __init__(self, e: int, k: int, h: int, inter: int, w13, s13, w2, s2):
+        from vllm.model_executor.layers.fused_moe import modular_kernel as mk
+        from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+        from vllm.model_executor.layers.fused_moe.config import (
+            FusedMoEConfig, FusedMoEParallelConfig, RoutingMethodType,
+            fp8_w8a8_moe_quant_config)
+        from vllm.model_executor.layers.fused_moe.experts import deep_gemm_moe as dg
+        from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import (
+            MoEPrepareAndFinalizeNoDPEPModular)
+        from vllm.model_executor.layers.quantization.utils.fp8_utils import (
+            prepare_fp8_moe_layer_for_deepgemm)
+        from vllm.v1.worker import workspace
+        if not workspace.is_workspace_manager_initialized():
+            workspace.init_workspace_manager(torch.device("cuda"))
+        self.w13, self.w2, s13, s2 = prepare_fp8_moe_layer_for_deepgemm(
+            w13, w2, s13, s2, (128, 128))
+        moe = FusedMoEConfig(
+            num_experts=e, experts_per_token=k, hidden_dim=h, intermediate_size=inter,
+            num_local_experts=e, num_logical_experts=e, activation=MoEActivation.SILU,
+            device="cuda", routing_method=RoutingMethodType.Renormalize,
+            moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(),
+            in_dtype=torch.bfloat16)
+        quant = fp8_w8a8_moe_quant_config(w1_scale=s13, w2_scale=s2, block_shape=[128, 128])
+        self.kernel = mk.FusedMoEKernel(MoEPrepareAndFinalizeNoDPEPModular(),
+                                        dg.DeepGemmExperts(moe, quant))
+        self.e, self.silu, self.valid = e, MoEActivation.SILU, dg._valid_deep_gemm
+
+    def takes(self, x) -> bool:
+        return self.valid(x, self.w13, self.w2)
+
+    def __call__(self, x, weights, ids):
+        return self.kernel.apply(hidden_states=x, w1=self.w13, w2=self.w2,
+                                 topk_weights=weights, topk_ids=ids, activation=self.silu,
+                                 global_num_experts=self.e, expert_map=None,
+                                 apply_router_weight_on_input=False)
+
+
+def make_call(method, x, w13, s13, w2, s2, routes, deepgemm=None):
     if method == "fp8linear_moe":
         return lambda i: fp8linear.fused_moe(x, w13, s13, w2, s2, routes[i][1], routes[i][0])
     if method.startswith("fp8linear_moe@"):  # a plan piece forced (exploration)
@@ -104,6 +150,8 @@ def make_call(method, x, w13, s13, w2, s2, routes):
             with sm90_moe.forced(**over):
                 return fp8linear.fused_moe(x, w13, s13, w2, s2, routes[i][1], routes[i][0])
         return call
+    if method == "vllm_deepgemm_moe":
+        return lambda i: deepgemm(x, routes[i][1], routes[i][0])
     if method == "vllm_triton_moe":
         return lambda i: torch.ops.vllm.fused_experts(
             hidden_states=x, w1=w13, w2=w2, topk_weights=routes[i][1], topk_ids=routes[i][0],
@@ -152,6 +200,8 @@ def main(argv=None) -> int:
         w13, s13 = random_experts(e, 2 * inter, h, gen)
         w2, s2 = random_experts(e, h, inter, gen)
         config = vllm_config(e, inter) if "vllm_triton_moe" in methods else ""
+        deepgemm = (VllmDeepGemm(e, k, h, inter, w13, s13, w2, s2)
+                    if "vllm_deepgemm_moe" in methods else None)
         expert_bytes = 3 * inter * h
         for m in map(int, args.ms.split(",")):
             x = torch.randn(m, h, device="cuda", generator=gen).to(torch.bfloat16)
@@ -164,9 +214,10 @@ def main(argv=None) -> int:
                      m >= 128] + (["fp8linear_moe@nopdl"] if args.explore_pdl else []) + (
                 ["fp8linear_moe@prefill", "fp8linear_moe@decode"]
                 if args.explore_prefill and m >= 64 else [])
-            for meth in methods + extra:
-                call = make_call(meth, x, w13, s13, w2, s2, routes)
-                outs[meth] = call(0)
+            here = [n for n in methods if n != "vllm_deepgemm_moe" or deepgemm.takes(x)]
+            for meth in here + extra:
+                call = make_call(meth, x, w13, s13, w2, s2, routes, deepgemm)
+                outs[meth] = call(0).clone()  # (vLLM returns a reused buffer)
                 graphs[meth] = C.capture_graph(call, LAUNCHES)
             base = outs[methods[0]].float()
             ref = None
@@ -174,7 +225,7 @@ def main(argv=None) -> int:
                 ref = fp8linear.moe_reference(x, w13, s13, w2, s2, routes[0][1],
                                               routes[0][0]).float()
             times = C.time_graphs_interleaved(graphs, args.replays)
-            for meth in methods + extra:
+            for meth in here + extra:
                 us = C.median(times[meth]) / LAUNCHES
                 err = float((outs[meth].float() - base).norm() / base.norm())
                 err_ref = None if ref is None else float((outs[meth].float() - ref).norm()
@@ -182,13 +233,15 @@ def main(argv=None) -> int:
                 rows.append({"method": meth, "model": model, "E": e, "top_k": k, "H": h,
                              "I": inter, "M": m, "us": us, "floor_us": floor,
                              "pct_floor": 100 * floor / us, "experts_touched": touched,
-                             "config": config if meth.startswith("vllm") else "fp8linear plan",
+                             "config": (config if meth == "vllm_triton_moe" else
+                                        "DeepGEMM m-grouped contiguous, 128-row alignment"
+                                        if meth == "vllm_deepgemm_moe" else "fp8linear plan"),
                              "rel_diff_vs_first": err, "rel_err_vs_reference": err_ref})
                 log(f"{model:16s} M={m:5d} {meth:16s} {us:9.1f} us  floor {floor:8.1f} "
                       f"({100 * floor / us:5.1f}%)  diff {err:.1e} vs ref {err_ref}")
             del graphs, outs
             C.write_json(args.out, header, rows)
-        del w13, s13, w2, s2
+        del w13, s13, w2, s2, deepgemm
         torch.cuda.empty_cache()
     print(summary(rows, methods))
     return 0

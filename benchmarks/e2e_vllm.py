@@ -835,12 +835,15 @@ def targets(results: dict, batches, model: dict | None = None) -> dict:
     need = DECODE_TARGETS[moe]
     out = {}
 
+    def anchors(names):
+        # the engines of `names` that ran (an anchor kept under another setting by --merge,
+        # e.g. fp8_cutlass_seqs256, counts)
+        return [n for n in results if n in names or re.fullmatch(
+            "(?:" + "|".join(map(re.escape, names)) + r")_seqs\d+", n)]
+
     def best(names):
         fp8 = {}
-        # (an anchor kept under another setting by --merge, e.g. fp8_cutlass_seqs256, counts)
-        names = [n for n in results if n in names or re.fullmatch(
-            "(?:" + "|".join(map(re.escape, names)) + r")_seqs\d+", n)]
-        for n in names:
+        for n in anchors(names):
             for b, ms in _per_token(results, n).items():
                 fp8[b] = min(fp8.get(b, 1e9), ms)
         return fp8
@@ -863,8 +866,8 @@ def targets(results: dict, batches, model: dict | None = None) -> dict:
             if parts:
                 out[f"{us} vs {label}{sfx} (need >= {_need_label(need)})"] = ", ".join(parts)
             mine_pf = results.get(us, {}).get("prefill", {}).get("best_s")
-            pf = [results[n]["prefill"]["best_s"] for n in results if n in
-                  [m + sfx for m in names] and results[n].get("prefill", {}).get("best_s")]
+            pf = [results[n]["prefill"]["best_s"] for n in anchors([m + sfx for m in names])
+                  if results[n].get("prefill", {}).get("best_s")]
             if moe and mine_pf and pf:
                 sp = min(pf) / mine_pf
                 out[f"{us} prefill vs {label}{sfx} (need >= {PREFILL_TARGET_MOE:.2f}x)"] = (

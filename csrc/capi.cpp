@@ -186,12 +186,11 @@ FP8L_API const char* fp8l_quant(const QuantCall* c) {
 }
 
 // Large-M GEMM (fp8l::GemmArgs). a_scale_t null: `a` holds 16/32-bit activations that the
-// quant kernel quantizes first (under PDL when quant_pdl).
+// quant kernel quantizes first (under PDL when quant_pdl); the grouped kernel
+// (tile_expert) takes quantized activations only, and refuses others itself.
 FP8L_API const char* fp8l_gemm(const GemmCall* c) {
   const auto s = static_cast<cudaStream_t>(const_cast<void*>(c->stream));
-  const bool quant_first = c->a_scale_t == nullptr;
-  if (quant_first && c->tile_expert != nullptr)
-    return result("grouped GEMMs take fp8 activations (sorted by expert)", "moe prefill");
+  const bool quant_first = c->a_scale_t == nullptr && c->tile_expert == nullptr;
   const size_t q_bytes = quant_first ? align16(quant_bytes(c->m, c->k)) : 0;
   Scratch sc;
   cudaError_t e = use_device(c->device);

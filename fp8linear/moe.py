@@ -91,11 +91,11 @@ def moe_reference(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
     return out.to(x.dtype)
 
 
-def _fused_moe_impl(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
+def _fused_moe_into(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
                     w2: torch.Tensor, w2_scale: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor) -> torch.Tensor:
+                    topk_ids: torch.Tensor, out: torch.Tensor) -> None:
     if x.shape[0] == 0:
-        return torch.empty_like(x)
+        return
     inter = w13.shape[1] // 2
     block = w13_scale.shape[1] == cdiv(2 * inter, 128) and w2_scale.shape[1] == cdiv(
         x.shape[1], 128)
@@ -103,25 +103,37 @@ def _fused_moe_impl(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
     if x.dtype != torch.float32 and dispatch.moe_backend(x.device, x.shape[1], inter,
                                                          block) == "sm90":
         from .backends.sm90 import moe as sm90_moe
-        return sm90_moe.fused_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
-    return moe_reference(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
+        sm90_moe.fused_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, out)
+    else:
+        out.copy_(moe_reference(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids))
 
 
 # A custom op (opaque to torch.compile, with a fake implementation), for compiled graphs.
-op = torch.library.custom_op("fp8linear::fused_moe", _fused_moe_impl, mutates_args=())
+op = torch.library.custom_op("fp8linear::fused_moe", _fused_moe_into, mutates_args=("out",))
 
 
 @op.register_fake
-def _(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids):
-    return torch.empty_like(x)
+def _(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, out):
+    return None
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
-              w2_scale: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-    """The block-FP8 MoE layer: ``moe_reference``'s arguments and numerics (out [M, H] in
-    x's dtype), on the fastest path for the device. On the GPU the expert ids are not read
-    on the host (CUDA graphs and torch.compile work): they must lie in 0..E-1."""
+              w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """The block-FP8 MoE layer: ``moe_reference``'s arguments and numerics, on the fastest
+    path for the device; returns out [M, H] in x's dtype (written into ``out`` where given:
+    contiguous, on x's device). On the GPU the expert ids are not read on the host (CUDA
+    graphs and torch.compile work): they must lie in 0..E-1."""
     _check(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
-    args = (x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
-    return op(*args) if torch.compiler.is_compiling() else _fused_moe_impl(*args)
+    if out is None:
+        out = torch.empty_like(x)
+    elif not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype \
+            or out.device != x.device or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {x.dtype} tensor of x's shape "
+                         f"{tuple(x.shape)} on {x.device}, got "
+                         + (f"{tuple(out.shape)} {out.dtype} on {out.device}"
+                            f"{'' if out.is_contiguous() else ' (not contiguous)'}"
+                            if isinstance(out, torch.Tensor) else type(out).__name__))
+    args = (x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, out)
+    (op if torch.compiler.is_compiling() else _fused_moe_into)(*args)
+    return out

@@ -77,15 +77,16 @@ def cdiv_t(a: torch.Tensor, b: int) -> torch.Tensor:
 
 
 def combine(y: torch.Tensor, r: Routing, topk_weights: torch.Tensor,
-            dtype: torch.dtype) -> torch.Tensor:
-    """out [M, H] = sum over slots, slot 0 first, of topk_weight * y[row], in fp32."""
+            out: torch.Tensor) -> torch.Tensor:
+    """out [M, H] = sum over slots, slot 0 first, of topk_weight * y[row], in fp32, rounded
+    once to out's dtype; returns out."""
     m, k = r.slot_row.shape
     ys = y.index_select(0, r.slot_row.reshape(-1)).view(m, k, -1)
     w = topk_weights.float()
-    out = ys[:, 0] * w[:, :1]
+    acc = ys[:, 0] * w[:, :1]
     for j in range(1, k):  # fixed order: the result is the same run to run
-        out = torch.addcmul(out, ys[:, j], w[:, j:j + 1])
-    return out.to(dtype)
+        acc = torch.addcmul(acc, ys[:, j], w[:, j:j + 1])
+    return out.copy_(acc)
 
 
 def gather_quant(x: torch.Tensor, r: Routing):
@@ -107,18 +108,21 @@ def silu_mul_quant_rows(gate_up: torch.Tensor, r: Routing):
 @dataclass(frozen=True)
 class Stages:
     """A backend's implementations of the stages (the torch ones here:
-    backends/reference.py's moe_stages)."""
+    backends/reference.py's moe_stages). The rows of a stage's output that hold no token
+    (row_token -1) may hold anything: each row is computed on its own and the combine reads
+    the token rows only (the torch stages write zeros there)."""
     route: Callable          # (topk_ids, num_experts, token_tile) -> Routing
     gather_quant: Callable   # (x, Routing) -> (fp8 [R, K], scale [R, Kb], any strides)
     grouped_gemm: Callable   # (a, a_scale, w [E, N, K], w_scale, Routing, out, which) -> None
     silu_mul_quant: Callable  # (gate_up, Routing) -> (fp8 [R, I], scale [R, Ib], any strides)
-    combine: Callable        # (y, Routing, topk_weights, dtype) -> out [M, H]
+    combine: Callable        # (y, Routing, topk_weights, out [M, H]) -> out
 
 
 def sorted_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, token_tile: int,
-               stages: Stages):
-    """The MoE layer through expert-sorted rows (inputs validated by the caller); the
-    grouped GEMMs write bf16/fp16 gate_up (``which`` 0) and fp32 down outputs (1)."""
+               stages: Stages, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The MoE layer through expert-sorted rows into ``out`` (new if None; inputs validated
+    by the caller); the grouped GEMMs write bf16/fp16 gate_up (``which`` 0) and fp32 down
+    outputs (1)."""
     m, h = x.shape
     num_experts, two_i, _ = w13.shape
     r = stages.route(topk_ids, num_experts, token_tile)
@@ -128,4 +132,4 @@ def sorted_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, token_ti
     hq, h_scale = stages.silu_mul_quant(gate_up, r)
     y = torch.empty(r.rows, h, dtype=torch.float32, device=x.device)
     stages.grouped_gemm(hq, h_scale, w2, w2_scale, r, y, 1)
-    return stages.combine(y, r, topk_weights, x.dtype)
+    return stages.combine(y, r, topk_weights, torch.empty_like(x) if out is None else out)

@@ -93,6 +93,22 @@ def test_fused_moe_on_the_cpu_is_the_reference():
     assert fused_moe(x[:0], w13, s13, w2, s2, wts[:0], ids[:0]).shape == (0, 256)
 
 
+def test_fused_moe_writes_into_out():
+    x, w13, s13, w2, s2, wts, ids = _layer(13, 6, 4, 256, 128)
+    out = torch.full_like(x, float("nan"))
+    assert fused_moe(x, w13, s13, w2, s2, wts, ids, out=out) is out
+    assert torch.equal(out, moe_reference(x, w13, s13, w2, s2, wts, ids))
+    # a wrong out is refused before anything is written
+    for bad, got in ((torch.empty(6, 128, dtype=x.dtype), r"\(6, 128\) torch.bfloat16 on cpu"),
+                     (torch.empty(6, 256), r"\(6, 256\) torch.float32 on cpu"),
+                     (torch.full((256, 6), 7.0, dtype=x.dtype).t(),
+                      r"\(6, 256\) torch.bfloat16 on cpu \(not contiguous\)")):
+        with pytest.raises(ValueError, match=r"^out must be a contiguous torch.bfloat16 tensor "
+                                             r"of x's shape \(6, 256\) on cpu, got " + got + "$"):
+            fused_moe(x, w13, s13, w2, s2, wts, ids, out=bad)
+    assert torch.all(bad == 7.0)
+
+
 def test_fused_moe_compiles_as_one_opaque_op():
     x, w13, s13, w2, s2, wts, ids = _layer(12, 5, 4, 256, 128)
     compiled = torch.compile(fused_moe, backend="aot_eager", fullgraph=True)
@@ -100,3 +116,6 @@ def test_fused_moe_compiles_as_one_opaque_op():
                        moe_reference(x, w13, s13, w2, s2, wts, ids))
     graph = torch._dynamo.explain(fused_moe)(x, w13, s13, w2, s2, wts, ids)
     assert graph.graph_count == 1 and graph.graph_break_count == 0
+    out = torch.empty_like(x)  # into a given out: the op mutates it
+    compiled(x, w13, s13, w2, s2, wts, ids, out=out)
+    assert torch.equal(out, moe_reference(x, w13, s13, w2, s2, wts, ids))

@@ -52,9 +52,11 @@ def test_combine_sums_the_slots_in_order_in_fp32():
     y_rows = torch.zeros(r.rows, 2)
     y_rows[r.slot_row.reshape(-1)] = y
     w = torch.tensor([[0.5, 2.0], [1.0, 1.0]])
-    out = combine(y_rows, r, w, torch.float32)
+    out = torch.full((2, 2), float("nan"))
+    assert combine(y_rows, r, w, out) is out
     assert torch.equal(out, torch.tensor([[0.5 + 6.0, 1.0 + 8.0], [1e8 + 5.0, -1e8 + 6.0]]))
-    assert combine(y_rows, r, w, torch.bfloat16).dtype == torch.bfloat16
+    half = combine(y_rows, r, w, torch.empty(2, 2, dtype=torch.bfloat16))
+    assert torch.equal(half, out.to(torch.bfloat16))  # fp32 sums, rounded once
 
 
 def test_gather_quant_zeroes_padding_rows():

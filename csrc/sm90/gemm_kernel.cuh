@@ -649,7 +649,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
       tile_coords(u, num_um, num_un, p.group_m, um, un);
       const int mb = kShareA ? um : um * CLUSTER + rank;
       const int nb = kShareA ? un * CLUSTER + rank : un;
-      if (kGrouped && __ldg(p.tile_expert + mb) < 0) continue;
+      if (unit_expert(u) < 0) continue;  // (kGrouped: a skipped tile)
       // columns [0, boundary) of this tile use the first weight-scale block, the rest the next
       const int boundary = 128 * (nb * BN / 128 + 1) - nb * BN;
 #pragma unroll
@@ -758,68 +758,67 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
               *reinterpret_cast<float2*>(out + size_t(r) * p.N + nb * BN + 8 * j + col_q) =
                   make_float2(acc[w][4 * j + 2 * h], acc[w][4 * j + 2 * h + 1]);
             }
-        continue;
       } else {
-      const bool wg_leader = threadIdx.x % 128 == 0;
-      if (wg_leader) tma_store_wait_read();  // the previous tile's store has left smem
-      named_barrier(1 + wg, 128);
-      // The tile into shared memory; with a bias its two values a column pair, fetched per
-      // column (a literal at each call: without one, as for most LLM layers, no adds and no
-      // per-column branch: the epilogue runs while the tensor cores wait)
-      auto stage_tile = [&](const bool kBias) {
+        const bool wg_leader = threadIdx.x % 128 == 0;
+        if (wg_leader) tma_store_wait_read();  // the previous tile's store has left smem
+        named_barrier(1 + wg, 128);
+        // The tile into shared memory; with a bias its two values a column pair, fetched per
+        // column (a literal at each call: without one, as for most LLM layers, no adds and no
+        // per-column branch: the epilogue runs while the tensor cores wait)
+        auto stage_tile = [&](const bool kBias) {
 #pragma unroll
-        for (int w = 0; w < kWaves; ++w) {
-          uint8_t* my_out = sOut + wave_row(w) * BN * 2;  // BN/64 boxes of 64 rows
+          for (int w = 0; w < kWaves; ++w) {
+            uint8_t* my_out = sOut + wave_row(w) * BN * 2;  // BN/64 boxes of 64 rows
 #pragma unroll
-          for (int j = 0; j < kRegs / 4; ++j) {
-            const int c = 8 * j + col_q;  // column inside the tile
-            float b0 = 0.f, b1 = 0.f;
-            const int n = nb * BN + c;
-            if (kBias && n < p.N) {
-              const float2 bb = load_bias2<OutT>(p.bias, p.bias_f32, n);
-              b0 = bb.x;
-              b1 = bb.y;
-            }
-            // box = kBoxCols columns x 64 rows. 64 columns (128 B rows): the 16-byte chunk
-            // index XOR (row % 8) is the 128-byte swizzle; 32 columns (64 B rows): chunk XOR
-            // ((row / 2) % 4), the 64-byte swizzle. Narrow tiles (BN = 16/32/48): one
-            // unswizzled box.
-            uint8_t* box = my_out + (c / kBoxCols) * 64 * kBoxCols * 2;
-            const int chunk = (c % kBoxCols) / 8;
+            for (int j = 0; j < kRegs / 4; ++j) {
+              const int c = 8 * j + col_q;  // column inside the tile
+              float b0 = 0.f, b1 = 0.f;
+              const int n = nb * BN + c;
+              if (kBias && n < p.N) {
+                const float2 bb = load_bias2<OutT>(p.bias, p.bias_f32, n);
+                b0 = bb.x;
+                b1 = bb.y;
+              }
+              // box = kBoxCols columns x 64 rows. 64 columns (128 B rows): the 16-byte chunk
+              // index XOR (row % 8) is the 128-byte swizzle; 32 columns (64 B rows): chunk XOR
+              // ((row / 2) % 4), the 64-byte swizzle. Narrow tiles (BN = 16/32/48): one
+              // unswizzled box.
+              uint8_t* box = my_out + (c / kBoxCols) * 64 * kBoxCols * 2;
+              const int chunk = (c % kBoxCols) / 8;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int r = row_in_wg + 8 * h;
-              const float v0 = acc[w][4 * j + 2 * h], v1 = acc[w][4 * j + 2 * h + 1];
-              const uint32_t v = kBias ? OutTraits<OutT>::pack(v0 + b0, v1 + b1)
-                                       : OutTraits<OutT>::pack(v0, v1);
-              if constexpr (L::kOneBox)
-                *reinterpret_cast<uint32_t*>(box + r * BN * 2 + c * 2) = v;
-              else if constexpr (kBoxCols == 32)
-                *reinterpret_cast<uint32_t*>(box + r * 64 + ((chunk ^ ((r >> 1) & 3)) * 16) +
-                                             (col_q * 2)) = v;
-              else
-                *reinterpret_cast<uint32_t*>(box + r * 128 + ((chunk ^ (r % 8)) * 16) +
-                                             (col_q * 2)) = v;
+              for (int h = 0; h < 2; ++h) {
+                const int r = row_in_wg + 8 * h;
+                const float v0 = acc[w][4 * j + 2 * h], v1 = acc[w][4 * j + 2 * h + 1];
+                const uint32_t v = kBias ? OutTraits<OutT>::pack(v0 + b0, v1 + b1)
+                                         : OutTraits<OutT>::pack(v0, v1);
+                if constexpr (L::kOneBox)
+                  *reinterpret_cast<uint32_t*>(box + r * BN * 2 + c * 2) = v;
+                else if constexpr (kBoxCols == 32)
+                  *reinterpret_cast<uint32_t*>(box + r * 64 + ((chunk ^ ((r >> 1) & 3)) * 16) +
+                                               (col_q * 2)) = v;
+                else
+                  *reinterpret_cast<uint32_t*>(box + r * 128 + ((chunk ^ (r % 8)) * 16) +
+                                               (col_q * 2)) = v;
+              }
             }
           }
+        };
+        if (p.bias != nullptr) stage_tile(true);
+        else stage_tile(false);
+        fence_proxy_async_smem();
+        named_barrier(1 + wg, 128);
+        if (wg_leader && mb < num_m && nb < num_n) {
+#pragma unroll
+          for (int w = 0; w < kWaves; ++w)
+#pragma unroll
+            for (int cb = 0; cb < BN / kBoxCols; ++cb)
+              tma_store_2d(&tmap_c, sOut + wave_row(w) * BN * 2 + cb * 64 * kBoxCols * 2,
+                           nb * BN + cb * kBoxCols,
+                           (kSplitTail || kGrouped ? mb * BM : tile_row0<BM>(mb, p.M)) +
+                               wave_row(w));
+          tma_store_commit();
         }
-      };
-      if (p.bias != nullptr) stage_tile(true);
-      else stage_tile(false);
-      fence_proxy_async_smem();
-      named_barrier(1 + wg, 128);
-      if (wg_leader && mb < num_m && nb < num_n) {
-#pragma unroll
-        for (int w = 0; w < kWaves; ++w)
-#pragma unroll
-          for (int cb = 0; cb < BN / kBoxCols; ++cb)
-            tma_store_2d(&tmap_c, sOut + wave_row(w) * BN * 2 + cb * 64 * kBoxCols * 2,
-                         nb * BN + cb * kBoxCols,
-                         (kSplitTail || kGrouped ? mb * BM : tile_row0<BM>(mb, p.M)) +
-                             wave_row(w));
-        tma_store_commit();
       }
-      }  // (16-bit outputs)
     }
     if (threadIdx.x % 128 == 0) tma_store_wait_all();
   }

@@ -88,8 +88,12 @@ class Fp8BlockGemmExperts(mk.FusedMoEExpertsModular):
         weights, ids = local_routing(topk_weights, topk_ids, expert_map)
         if apply_router_weight_on_input:  # already applied to the input (top-1 models)
             weights = torch.ones_like(weights)
-        output.copy_(fused_moe(hidden_states, w1, self.w1_scale, w2, self.w2_scale,
-                               weights.contiguous(), ids.contiguous()))
+        args = (hidden_states, w1, self.w1_scale, w2, self.w2_scale, weights.contiguous(),
+                ids.contiguous())
+        if output.is_contiguous():  # (vLLM's output buffer is: the combine writes into it)
+            fused_moe(*args, out=output)
+        else:
+            output.copy_(fused_moe(*args))
 
 
 def why_not(layer) -> Optional[str]:

@@ -181,14 +181,14 @@ def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids):
+def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, out):
     m, hidden = x.shape
     experts, two_i, _ = w13.shape
     plan = moe_plan(m, topk_ids.shape[1], experts, hidden, two_i // 2, _sms(x.device.index))
     if _forced:
         plan = _apply_forced(plan, hidden, two_i // 2)
     return sorted_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids,
-                      plan.token_tile, stages(plan))
+                      plan.token_tile, stages(plan), out)
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,12 +9,18 @@ fp8linear.moe_routing's ``route``, the gather + quantization of the sorted rows,
 - ``route_parallel``: the same rows in three launches whose work does not grow serially with
   the slots: one program a chunk of slots counts its chunk's experts; one program scans the
   chunks' counts (each chunk's first row per expert); one program a chunk places its slots.
-- ``gather_quant``: sorted row r quantizes token row_token[r] (padding rows: zeros), with
-  quant_group, the quant kernel's bit-exact numerics.
+- ``gather_quant``: each token quantized once (quant_group, the quant kernel's bit-exact
+  numerics) and stored to its top-k sorted rows (slot_row).
 - ``silu_mul_quant``: swiglu_quant.py's kernel over the sorted rows.
-  These two skip the rows of unused tiles (tile_expert -1), which the grouped GEMMs skip too:
-  the routing's bound on the tiles exceeds the tiles used by up to one an expert.
+  These two leave the rows that hold no token unwritten: padding rows, whose GEMM outputs
+  no one reads (every row is computed on its own), and the rows of unused tiles (tile_expert
+  -1: the routing's bound exceeds the tiles used by up to one an expert), which the GEMMs
+  skip. At 128-token tiles half the rows of a used tile may be padding.
 - ``combine``: out[t] = sum over slots j, in order, of w[t, j] * y[slot_row[t, j]], in fp32.
+
+Every launch is a PDL launch where the GPU has them (norm_quant.py's protocol: wait for the
+kernel before, then let the next one launch after the last load), so that each one's launch
+overlaps the tail of the kernel before it: the layer is a chain of six dependent launches.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ import triton.language as tl
 from ...moe_routing import Routing, max_tiles
 from ...quant import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX, cdiv
 from . import swiglu_quant
+from .norm_quant import pdl_acquire, pdl_available, pdl_release
 from .quant import needs_round_first, quant_group
 
 # slots a step of the routing program compares with every expert: a [slots, experts] tile
@@ -78,7 +85,8 @@ def _fill_padding(row_token_ptr, r_begin, r_end, ROWS, BLOCK_S: tl.constexpr):
 @triton.jit
 def _route_kernel(ids_ptr, tile_expert_ptr, row_token_ptr, slot_row_ptr, S, TOP_K,
                   E: tl.constexpr, BLOCK_E: tl.constexpr, TILE: tl.constexpr, TILES,
-                  BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr):
+                  BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, USE_GDC: tl.constexpr):
+    pdl_acquire(USE_GDC, False)
     experts = tl.arange(0, BLOCK_E)
     chunks = tl.cdiv(S, BLOCK_S)
     # pass 1: slots per expert
@@ -96,14 +104,17 @@ def _route_kernel(ids_ptr, tile_expert_ptr, row_token_ptr, slot_row_ptr, S, TOP_
     for b in range(0, chunks):
         cursor += _place_chunk(ids_ptr, b, cursor, row_token_ptr, slot_row_ptr, S, TOP_K,
                                BLOCK_E, BLOCK_S)
+    pdl_release(USE_GDC, False)
     _store_tile_experts(ends, experts, tile_expert_ptr, E, TILE, TILES, BLOCK_T)
 
 
 @triton.jit
 def _route_count_kernel(ids_ptr, counts_ptr, row_token_ptr, S, ROWS, FILL,
-                        BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+                        BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, USE_GDC: tl.constexpr):
     b = tl.program_id(0)
+    pdl_acquire(USE_GDC, False)
     _, hit = _chunk_hits(ids_ptr, b, S, BLOCK_E, BLOCK_S)
+    pdl_release(USE_GDC, False)
     tl.store(counts_ptr + b * BLOCK_E + tl.arange(0, BLOCK_E), tl.sum(hit, axis=0))
     # every sorted row starts as padding (this chunk's share of them; placed in a later launch)
     _fill_padding(row_token_ptr, b * FILL, (b + 1) * FILL, ROWS, BLOCK_S)
@@ -112,7 +123,8 @@ def _route_count_kernel(ids_ptr, counts_ptr, row_token_ptr, S, ROWS, FILL,
 @triton.jit
 def _route_scan_kernel(counts_ptr, first_ptr, tile_expert_ptr, CHUNKS, E: tl.constexpr,
                        BLOCK_E: tl.constexpr, TILE: tl.constexpr, TILES,
-                       BLOCK_T: tl.constexpr):
+                       BLOCK_T: tl.constexpr, USE_GDC: tl.constexpr):
+    pdl_acquire(USE_GDC, False)
     experts = tl.arange(0, BLOCK_E)
     # each chunk's count of earlier chunks' slots, per expert
     total = tl.zeros([BLOCK_E], dtype=tl.int32)
@@ -126,39 +138,47 @@ def _route_scan_kernel(counts_ptr, first_ptr, tile_expert_ptr, CHUNKS, E: tl.con
     for b in range(0, CHUNKS):
         f = tl.load(first_ptr + b * BLOCK_E + experts)
         tl.store(first_ptr + b * BLOCK_E + experts, f + ends - padded)
+    pdl_release(USE_GDC, False)
     _store_tile_experts(ends, experts, tile_expert_ptr, E, TILE, TILES, BLOCK_T)
 
 
 @triton.jit
 def _route_place_kernel(ids_ptr, first_ptr, row_token_ptr, slot_row_ptr, S, TOP_K,
-                        BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+                        BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, USE_GDC: tl.constexpr):
     b = tl.program_id(0)
+    pdl_acquire(USE_GDC, False)
     first = tl.load(first_ptr + b * BLOCK_E + tl.arange(0, BLOCK_E))
+    pdl_release(USE_GDC, False)
     _place_chunk(ids_ptr, b, first, row_token_ptr, slot_row_ptr, S, TOP_K, BLOCK_E, BLOCK_S)
 
 
 def route_parallel(topk_ids: torch.Tensor, num_experts: int, token_tile: int) -> Routing:
     """moe_routing.route in three launches (count, scan, place), for many slots."""
     r, slots, block_e, block_s, warps = _routing(topk_ids, num_experts, token_tile)
+    pdl = pdl_available(topk_ids.device)
     chunks = cdiv(slots, block_s)
     counts = torch.empty(chunks, block_e, dtype=torch.int32, device=topk_ids.device)
     first = torch.empty_like(counts)
     _route_count_kernel[(chunks,)](topk_ids, counts, r.row_token, slots, r.rows,
                                    cdiv(cdiv(r.rows, chunks), block_s) * block_s, block_e,
-                                   block_s, num_warps=warps)
+                                   block_s, pdl, num_warps=warps, launch_pdl=pdl)
     _route_scan_kernel[(1,)](counts, first, r.tile_expert, chunks, num_experts, block_e,
-                             token_tile, r.tile_expert.shape[0], 32, num_warps=warps)
+                             token_tile, r.tile_expert.shape[0], 32, pdl, num_warps=warps,
+                             launch_pdl=pdl)
     _route_place_kernel[(chunks,)](topk_ids, first, r.row_token, r.slot_row, slots,
-                                   topk_ids.shape[1], block_e, block_s, num_warps=warps)
+                                   topk_ids.shape[1], block_e, block_s, pdl, num_warps=warps,
+                                   launch_pdl=pdl)
     return r
 
 
 def route(topk_ids: torch.Tensor, num_experts: int, token_tile: int) -> Routing:
     """moe_routing.route in one launch (topk_ids contiguous int32/int64 [M, k])."""
     r, slots, block_e, block_s, warps = _routing(topk_ids, num_experts, token_tile)
+    pdl = pdl_available(topk_ids.device)
     _route_kernel[(1,)](topk_ids, r.tile_expert, r.row_token, r.slot_row, slots,
                         topk_ids.shape[1], num_experts, block_e, token_tile,
-                        r.tile_expert.shape[0], block_s, 32, num_warps=warps)
+                        r.tile_expert.shape[0], block_s, 32, pdl, num_warps=warps,
+                        launch_pdl=pdl)
     return r
 
 
@@ -177,39 +197,42 @@ def _routing(topk_ids: torch.Tensor, num_experts: int, token_tile: int):
 
 
 @triton.jit
-def _gather_quant_kernel(x_ptr, row_token_ptr, tile_expert_ptr, q_ptr, s_ptr, s_ld, ROWS,
-                         K: tl.constexpr, TILE: tl.constexpr, CG: tl.constexpr,
+def _gather_quant_kernel(x_ptr, slot_row_ptr, q_ptr, s_ptr, s_ld, M,
+                         K: tl.constexpr, TOP_K: tl.constexpr, CG: tl.constexpr,
                          GR: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
-                         ROUND_FIRST: tl.constexpr):
-    # GR (row, group) pairs a program: GR // CG rows of CG groups, flattened to [GR, 128]
+                         ROUND_FIRST: tl.constexpr, USE_GDC: tl.constexpr):
+    # GR (token, group) pairs a program: GR // CG tokens of CG groups, flattened to [GR, 128];
+    # each pair quantized once and stored to its token's TOP_K sorted rows
     j = tl.arange(0, GR)
-    row = (tl.program_id(0) * (GR // CG) + j // CG).to(tl.int64)
+    t = (tl.program_id(0) * (GR // CG) + j // CG).to(tl.int64)
     g = tl.program_id(1) * CG + j % CG
-    in_rows = row < ROWS
-    # (the two loads are independent: both in flight at once)
-    token = tl.load(row_token_ptr + row, mask=in_rows, other=-1)
-    # rows of unused tiles are left unwritten: the grouped GEMMs skip those tiles
-    live = in_rows & (tl.load(tile_expert_ptr + row // TILE, mask=in_rows, other=-1) >= 0)
-    live = live & (g * 128 < K)
+    live = (t < M) & (g * 128 < K)
     cols = g[:, None] * 128 + tl.arange(0, 128)[None, :]
-    x = tl.load(x_ptr + tl.maximum(token, 0)[:, None] * K + cols,
-                mask=(live & (token >= 0))[:, None] & (cols < K), other=0.0).to(tl.float32)
-    q, s = quant_group(x, FP8_MAX_C, EPS, ROUND_FIRST)  # (padding rows: zeros, scale 0)
-    tl.store(q_ptr + row[:, None] * K + cols, q, mask=live[:, None] & (cols < K))
-    tl.store(s_ptr + g.to(tl.int64) * s_ld + row, tl.where(token >= 0, s, 0.0), mask=live)
+    mask = live[:, None] & (cols < K)
+    pdl_acquire(USE_GDC, False)
+    x = tl.load(x_ptr + t[:, None] * K + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_release(USE_GDC, False)
+    q, s = quant_group(x, FP8_MAX_C, EPS, ROUND_FIRST)
+    for k in tl.static_range(TOP_K):
+        row = tl.load(slot_row_ptr + t * TOP_K + k, mask=live, other=0)
+        tl.store(q_ptr + row[:, None] * K + cols, q, mask=mask)
+        tl.store(s_ptr + g.to(tl.int64) * s_ld + row, s, mask=live)
 
 
 def gather_quant(x: torch.Tensor, r: Routing, groups: int | None = None):
-    """(fp8 [R, K], scale [R, Kb] as a view of the token-minor [Kb, ld]) of the sorted rows;
-    rows of unused tiles (tile_expert -1) are not written. ``groups``: 128-channel groups a
-    program (tests, benchmarks)."""
-    k = x.shape[1]
+    """(fp8 [R, K], scale [R, Kb] as a view of the token-minor [Kb, ld]) of the sorted rows:
+    each token quantized once and stored to its top-k rows. Rows that hold no token (padding,
+    unused tiles) are not written: the grouped GEMMs compute every row on its own, and the
+    combine reads the token rows only. ``groups``: 128-channel groups a program (tests,
+    benchmarks)."""
+    m, k = x.shape
     kb = cdiv(k, BLOCK)
     q, scale_t = _sorted_buffers(r, k, x.device)
-    cg, gr = gather_split(kb, r.rows, groups)
-    _gather_quant_kernel[(cdiv(r.rows, gr // cg), cdiv(kb, cg))](
-        x, r.row_token, r.tile_expert, q, scale_t, scale_t.shape[1], r.rows, k, r.token_tile,
-        cg, gr, FP8_MAX, AMAX_EPS, needs_round_first(x.device), num_warps=4)
+    cg, gr = gather_split(kb, m, groups)
+    pdl = pdl_available(x.device)
+    _gather_quant_kernel[(cdiv(m, gr // cg), cdiv(kb, cg))](
+        x, r.slot_row, q, scale_t, scale_t.shape[1], m, k, r.slot_row.shape[1], cg, gr,
+        FP8_MAX, AMAX_EPS, needs_round_first(x.device), pdl, num_warps=4, launch_pdl=pdl)
     return q, scale_t[:, :r.rows].t()
 
 
@@ -221,18 +244,16 @@ def _sorted_buffers(r: Routing, k: int, device):
                         device=device))
 
 
-# From 1024 sorted rows a gather program quantizes 16 (row, group) pairs (2048 values, 16 a
-# thread of 4 warps): with the skipped rows, Qwen3-30B-A3B M = 1024 75 us against 99 (one
-# row's 4 groups, no skipping). Below, one row's 4 groups: at M = 1 (72 rows) 16 pairs took
-# 4.1 us against 2.5 (docs/tuning.md).
-GATHER_WIDE_MIN_ROWS = 1024
+# From 256 tokens a gather program quantizes 16 (token, group) pairs (2048 values, 16 a thread
+# of 4 warps; 256 programs at hidden 2048); below, one token's 4 groups, for more programs.
+GATHER_WIDE_MIN_TOKENS = 256
 GATHER_GROUP_ROWS = 16
 
 
-def gather_split(kb: int, rows: int, groups: int | None = None) -> tuple[int, int]:
-    """(groups a program of a row, a power of 2 that wastes no lanes where one divides kb;
-    (row, group) pairs a program)."""
-    wide = rows >= GATHER_WIDE_MIN_ROWS
+def gather_split(kb: int, tokens: int, groups: int | None = None) -> tuple[int, int]:
+    """(groups a program of a token, a power of 2 that wastes no lanes where one divides kb;
+    (token, group) pairs a program)."""
+    wide = tokens >= GATHER_WIDE_MIN_TOKENS
     cg = groups or next(c for c in ((16, 8, 4, 2, 1) if wide else (4, 2, 1))
                         if c <= kb and (kb % c == 0 or c == 1))
     return cg, max(cg, GATHER_GROUP_ROWS) if wide else cg
@@ -240,33 +261,36 @@ def gather_split(kb: int, rows: int, groups: int | None = None) -> tuple[int, in
 
 def silu_mul_quant(gate_up: torch.Tensor, r: Routing):
     """SiLU-and-mul + quantization of the sorted rows (fp8linear.swiglu_quant's numerics):
-    (fp8 [R, I], scale [R, Ib] as a view of the token-minor [Ib, ld]); rows of unused tiles
-    are not written."""
+    (fp8 [R, I], scale [R, Ib] as a view of the token-minor [Ib, ld]); rows that hold no
+    token are not written."""
     q, scale_t = _sorted_buffers(r, gate_up.shape[1] // 2, gate_up.device)
-    swiglu_quant.launch(gate_up, q, scale_t, tile_expert=r.tile_expert, tile=r.token_tile)
+    swiglu_quant.launch(gate_up, q, scale_t, row_token=r.row_token)
     return q, scale_t[:, :r.rows].t()
 
 
 @triton.jit
 def _combine_kernel(y_ptr, slot_row_ptr, w_ptr, out_ptr, H: tl.constexpr, TOP_K: tl.constexpr,
-                    BLOCK_H: tl.constexpr):
+                    BLOCK_H: tl.constexpr, USE_GDC: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    pdl_acquire(USE_GDC, False)
     for j in tl.static_range(TOP_K):  # slot 0 first: the same sum every run
         row = tl.load(slot_row_ptr + t * TOP_K + j)
         w = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
         acc += w * tl.load(y_ptr + row * H + cols, mask=mask, other=0.0)
+    pdl_release(USE_GDC, False)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def combine(y: torch.Tensor, r: Routing, topk_weights: torch.Tensor,
-            dtype: torch.dtype) -> torch.Tensor:
+            out: torch.Tensor) -> torch.Tensor:
+    """moe_routing.combine into out (contiguous [M, H])."""
     m, k = r.slot_row.shape
     h = y.shape[1]
-    out = torch.empty(m, h, dtype=dtype, device=y.device)
     block_h = min(1024, triton.next_power_of_2(h))
+    pdl = pdl_available(y.device)
     _combine_kernel[(m, cdiv(h, block_h))](y, r.slot_row, topk_weights, out, h, k, block_h,
-                                           num_warps=4)
+                                           pdl, num_warps=4, launch_pdl=pdl)
     return out

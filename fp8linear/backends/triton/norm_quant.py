@@ -93,6 +93,13 @@ def _norm_quant_kernel(x_ptr, res_ptr, w_ptr, res_out_ptr, y_ptr, q_ptr, s_ptr, 
     tl.store(s_ptr + g.to(tl.int64) * s_ld + row, s, mask=g * 128 < K)
 
 
+def pdl_available(device) -> bool:
+    """PDL launches: where the GPU has them (sm_90+; not under the CPU interpreter) and
+    FP8LINEAR_PDL allows."""
+    return (device.type == "cuda" and _capability(device.index or 0)[0] >= 9
+            and knobs.get(knobs.PDL) != "0")
+
+
 def launch_settings(x, groups: int, cap: int, forced=None, pdl=None, warps=None,
                     norm: bool = True):
     """(groups a program, num_warps, pdl, early trigger) of a fused quantization kernel (this
@@ -102,9 +109,8 @@ def launch_settings(x, groups: int, cap: int, forced=None, pdl=None, warps=None,
     FP8LINEAR_PDL allows."""
     index = x.device.index or 0
     m = x.shape[0]
-    if pdl is None:  # (not under the CPU interpreter)
-        pdl = (x.device.type == "cuda" and _capability(index)[0] >= 9
-               and knobs.get(knobs.PDL) != "0")
+    if pdl is None:
+        pdl = pdl_available(x.device)
     cg, nw = fused_quant_split(m, groups, device_info(x.device.type, index).sms,
                                           cap, whole_row=norm)
     early = pdl and fused_quant_early_trigger(m, norm)

@@ -228,3 +228,42 @@ def test_parallel_routing_from_256_slots(m, k, parallel):
     from fp8linear.backends.triton import moe as triton_moe
     want = triton_moe.route_parallel if parallel else triton_moe.route
     assert sm90_moe.stages(plan).route is want
+
+
+@pytest.mark.gpu
+def test_grouped_entry_points_refuse_bad_arguments_before_launching():
+    """The grouped GEMMs' C entry points (library.grouped / grouped_prefill) name what is
+    wrong, and launch nothing."""
+    from fp8linear.backends.sm90 import library
+    lib = library.load()
+    e, n, k = 4, 256, 256
+    w = torch.zeros(e, n, k, dtype=torch.float8_e4m3fn, device="cuda")
+    ws = torch.ones(e, n // 128, k // 128, device="cuda")
+    a = torch.zeros(256, k, dtype=torch.float8_e4m3fn, device="cuda")
+    a_scale = torch.ones(k // 128, 256, device="cuda").t()
+    tiles = torch.zeros(2, dtype=torch.int32, device="cuda")
+    out = torch.full((256, n), float("nan"), device="cuda")
+
+    def refused(match, call):
+        with pytest.raises(library.KernelError, match=match):
+            call()
+        torch.cuda.synchronize()
+        assert torch.isnan(out).all()  # nothing ran
+
+    refused(r"moe prefill: M must be whole 128-row token tiles",
+            lambda: lib.grouped_prefill(a[:200], a_scale[:200], w, ws, out[:200], tiles, False))
+    refused(r"moe prefill: N must be a multiple of 128",
+            lambda: lib.grouped_prefill(a, a_scale, w[:, :200], ws, out[:, :200], tiles, False))
+    # 16-bit activations (no scales) are not quantized for the grouped kernel: refused
+    bf = torch.zeros(256, k, dtype=torch.bfloat16, device="cuda")
+    refused(r"moe prefill: grouped GEMMs take fp8 activations", lambda: library._check(
+        lib._gemm(library._GEMM.pack(
+            bf.data_ptr(), 0, w.data_ptr(), ws.data_ptr(), 0, out.data_ptr(),
+            library._stream(0), tiles.data_ptr(), 0, 0, library._IN[bf.dtype], 0, False,
+            False, library._OUT[out.dtype], 256, n, k, library.MOE_PREFILL_CONFIG, False,
+            False, 0, 1, e, 0))))
+    refused(r"M must be whole token tiles",
+            lambda: lib.grouped(a[:100], a_scale[:100], w, ws, out[:100], tiles, 0, 4, 4, 1,
+                                1, False))
+    refused(r"splits must be in \[1, ceil\(K/128\)\]",
+            lambda: lib.grouped(a, a_scale, w, ws, out, tiles, 0, 4, 0, 3, 1, False))
