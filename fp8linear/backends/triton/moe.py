@@ -11,7 +11,7 @@ fp8linear.moe_routing's ``route``, the gather + quantization of the sorted rows,
   chunks' counts (each chunk's first row per expert); one program a chunk places its slots.
 - ``gather_quant``: each token quantized once (quant_group, the quant kernel's bit-exact
   numerics) and stored to its top-k sorted rows (slot_row).
-- ``silu_mul_quant``: swiglu_quant.py's kernel over the sorted rows.
+- ``silu_mul_quant``: swiglu_quant.py's numerics over the sorted rows of the slots.
   These two leave the rows that hold no token unwritten: padding rows, whose GEMM outputs
   no one reads (every row is computed on its own), and the rows of unused tiles (tile_expert
   -1: the routing's bound exceeds the tiles used by up to one an expert), which the GEMMs
@@ -228,7 +228,7 @@ def gather_quant(x: torch.Tensor, r: Routing, groups: int | None = None):
     m, k = x.shape
     kb = cdiv(k, BLOCK)
     q, scale_t = _sorted_buffers(r, k, x.device)
-    cg, gr = gather_split(kb, m, groups)
+    cg, gr = pair_split(kb, m, groups)
     pdl = pdl_available(x.device)
     _gather_quant_kernel[(cdiv(m, gr // cg), cdiv(kb, cg))](
         x, r.slot_row, q, scale_t, scale_t.shape[1], m, k, r.slot_row.shape[1], cg, gr,
@@ -244,27 +244,57 @@ def _sorted_buffers(r: Routing, k: int, device):
                         device=device))
 
 
-# From 256 tokens a gather program quantizes 16 (token, group) pairs (2048 values, 16 a thread
-# of 4 warps; 256 programs at hidden 2048); below, one token's 4 groups, for more programs.
-GATHER_WIDE_MIN_TOKENS = 256
-GATHER_GROUP_ROWS = 16
+# The gather and SiLU-and-mul programs take (row, 128-channel group) pairs: from 4096 pairs
+# 16 a program (2048 values, 16 a thread of 4 warps), at most 16 groups of a row; below, one
+# row's 4 groups, for more programs at decode sizes. With one row a program, SiLU-and-mul
+# over the sorted rows was program-bound (Qwen3-30B-A3B M = 1024: 57 us for 25 MB).
+WIDE_MIN_PAIRS = 4096
+WIDE_PAIRS = 16
 
 
-def gather_split(kb: int, tokens: int, groups: int | None = None) -> tuple[int, int]:
-    """(groups a program of a token, a power of 2 that wastes no lanes where one divides kb;
-    (token, group) pairs a program)."""
-    wide = tokens >= GATHER_WIDE_MIN_TOKENS
-    cg = groups or next(c for c in ((16, 8, 4, 2, 1) if wide else (4, 2, 1))
-                        if c <= kb and (kb % c == 0 or c == 1))
-    return cg, max(cg, GATHER_GROUP_ROWS) if wide else cg
+def pair_split(groups: int, rows: int, forced: int | None = None) -> tuple[int, int]:
+    """(groups a program of a row, a power of 2 that wastes no lanes where one divides
+    ``groups``; (row, group) pairs a program); ``forced``: the former (tests, benchmarks)."""
+    wide = rows * groups >= WIDE_MIN_PAIRS
+    cg = forced or next(c for c in ((16, 8, 4, 2, 1) if wide else (4, 2, 1))
+                        if c <= groups and (groups % c == 0 or c == 1))
+    return cg, max(cg, WIDE_PAIRS) if wide else cg
 
 
-def silu_mul_quant(gate_up: torch.Tensor, r: Routing):
-    """SiLU-and-mul + quantization of the sorted rows (fp8linear.swiglu_quant's numerics):
-    (fp8 [R, I], scale [R, Ib] as a view of the token-minor [Ib, ld]); rows that hold no
-    token are not written."""
-    q, scale_t = _sorted_buffers(r, gate_up.shape[1] // 2, gate_up.device)
-    swiglu_quant.launch(gate_up, q, scale_t, row_token=r.row_token)
+@triton.jit
+def _silu_mul_quant_kernel(x_ptr, slot_row_ptr, q_ptr, s_ptr, s_ld, SLOTS, D: tl.constexpr,
+                           CG: tl.constexpr, GR: tl.constexpr, FP8_MAX_C: tl.constexpr,
+                           EPS: tl.constexpr, ROUND_FIRST: tl.constexpr,
+                           USE_GDC: tl.constexpr):
+    # GR (slot, group) pairs a program: the sorted rows of GR // CG slots, CG groups each
+    j = tl.arange(0, GR)
+    slot = tl.program_id(0) * (GR // CG) + j // CG
+    g = tl.program_id(1) * CG + j % CG
+    live = (slot < SLOTS) & (g * 128 < D)
+    cols = g[:, None] * 128 + tl.arange(0, 128)[None, :]
+    mask = live[:, None] & (cols < D)
+    pdl_acquire(USE_GDC, False)
+    row = tl.load(slot_row_ptr + slot, mask=live, other=0)
+    a = tl.load(x_ptr + row[:, None] * (2 * D) + cols, mask=mask, other=0.0)
+    b = tl.load(x_ptr + row[:, None] * (2 * D) + D + cols, mask=mask, other=0.0)
+    pdl_release(USE_GDC, False)
+    q, s = quant_group(swiglu_quant.silu_mul(a, b).to(tl.float32), FP8_MAX_C, EPS, ROUND_FIRST)
+    tl.store(q_ptr + row[:, None] * D + cols, q, mask=mask)
+    tl.store(s_ptr + g.to(tl.int64) * s_ld + row, s, mask=live)
+
+
+def silu_mul_quant(gate_up: torch.Tensor, r: Routing, groups: int | None = None):
+    """SiLU-and-mul + quantization of the sorted rows that hold a token (slot_row; the
+    numerics of fp8linear.swiglu_quant): (fp8 [R, I], scale [R, Ib] as a view of the
+    token-minor [Ib, ld]); the other rows are not written. ``groups``: as gather_quant's."""
+    d = gate_up.shape[1] // 2
+    q, scale_t = _sorted_buffers(r, d, gate_up.device)
+    slots = r.slot_row.numel()
+    cg, gr = pair_split(cdiv(d, BLOCK), slots, groups)
+    pdl = pdl_available(gate_up.device)
+    _silu_mul_quant_kernel[(cdiv(slots, gr // cg), cdiv(cdiv(d, BLOCK), cg))](
+        gate_up, r.slot_row, q, scale_t, scale_t.shape[1], slots, d, cg, gr, FP8_MAX, AMAX_EPS,
+        needs_round_first(gate_up.device), pdl, num_warps=4, launch_pdl=pdl)
     return q, scale_t[:, :r.rows].t()
 
 

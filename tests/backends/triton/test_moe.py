@@ -2,6 +2,7 @@
 (fp8linear.moe_routing), on the CPU through Triton's interpreter and on the GPU."""
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -24,6 +25,16 @@ CASES = [(1, 8, 128, 8, "random"), (5, 3, 6, 8, "random"), (16, 2, 8, 16, "one_e
          (300, 4, 8, 128, "one_expert")]
 
 
+@contextlib.contextmanager
+def _wide_from(pairs: int):
+    from fp8linear.backends.triton import moe as tm
+    old, tm.WIDE_MIN_PAIRS = tm.WIDE_MIN_PAIRS, pairs
+    try:
+        yield
+    finally:
+        tm.WIDE_MIN_PAIRS = old
+
+
 def check_stages(m, k, e, tile, routing, device):
     from fp8linear.backends.triton import moe as tm
     gen = torch.Generator().manual_seed(m * 17 + e)
@@ -39,16 +50,18 @@ def check_stages(m, k, e, tile, routing, device):
     x = (torch.randn(m, 272, generator=gen) * 3).to(torch.bfloat16).to(device)
     q0, s0 = mr.gather_quant(x, want)
     small = got.rows <= 400 or device != "cpu"  # (the interpreter's time grows with rows)
-    for groups in (None, 1, 2) if small else (None,):
-        q, s = tm.gather_quant(x, got, groups)
-        assert torch.equal(q.view(torch.uint8)[used], q0.view(torch.uint8)[used]), groups
-        assert torch.equal(s[used], s0[used]), groups
-    if small:
-        gate_up = (torch.randn(got.rows, 512, generator=gen) * 2).to(torch.bfloat16).to(device)
-        hq, hs = tm.silu_mul_quant(gate_up, got)
-        hq0, hs0 = mr.silu_mul_quant_rows(gate_up, want)
-        assert torch.equal(hq.view(torch.uint8)[used], hq0.view(torch.uint8)[used])
-        assert torch.equal(hs[used], hs0[used]) and hs.shape == hs0.shape
+    gate_up = (torch.randn(got.rows, 1536, generator=gen) * 2).to(torch.bfloat16).to(device)
+    hq0, hs0 = mr.silu_mul_quant_rows(gate_up, want)
+    # (wide: 16 (row, group) pairs a program, as from WIDE_MIN_PAIRS pairs)
+    for groups, wide in ((None, False), (1, False), (4, False), (None, True))[:4 if small else 1]:
+        with _wide_from(0 if wide else tm.WIDE_MIN_PAIRS):
+            q, s = tm.gather_quant(x, got, groups)
+            assert torch.equal(q.view(torch.uint8)[used], q0.view(torch.uint8)[used]), groups
+            assert torch.equal(s[used], s0[used]), groups
+            if small:  # (6 groups a row: 4 a program wastes lanes)
+                hq, hs = tm.silu_mul_quant(gate_up, got, groups)
+                assert torch.equal(hq.view(torch.uint8)[used], hq0.view(torch.uint8)[used])
+                assert torch.equal(hs[used], hs0[used]) and hs.shape == hs0.shape
     y = torch.randn(got.rows, 200, generator=gen).to(device)
     w = torch.rand(m, k, generator=gen).to(device)
     out = torch.full((m, 200), float("nan"), device=device)
