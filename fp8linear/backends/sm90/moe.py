@@ -96,8 +96,8 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
 
     # moe-pdl: each grouped GEMM launches under PDL and streams its experts' weights while
     # the kernel before it (gather + quant, SiLU-and-mul + quant) runs: the routing that chose
-    # the experts (tile_expert) finished before that kernel started, which no PDL launch
-    # precedes. It reads its activations after griddepcontrol.wait.
+    # the experts (tile_expert) finished before that kernel let the GEMM launch (its programs
+    # trigger after their griddepcontrol.wait). It reads its activations after its own wait.
     # moe-route-parallel: from 256 (token, slot) pairs, the routing's three parallel
     # launches (count, scan, place) instead of the one-program route, whose serial walk over
     # the slots grows with them (measured crossover 128-512)

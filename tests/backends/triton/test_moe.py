@@ -19,10 +19,11 @@ from moe_cases import experts, topk_ids  # noqa: E402
 
 # (M, top_k, experts, token tile, routing); 200 x 2 slots: pass 2 over several 128-slot steps
 # (route_parallel: several chunks); 300 and 1024 experts: 32- and 16-slot steps; 300 x 4
-# slots to 4 experts: one expert's rows across ten chunks (2304 sorted rows: the wide gather)
+# slots to 4 experts: one expert's rows across ten chunks (2304 sorted rows); 40 x 8 slots to
+# 1024 experts: 20 chunks of 16, scanned 16 a step (two steps)
 CASES = [(1, 8, 128, 8, "random"), (5, 3, 6, 8, "random"), (16, 2, 8, 16, "one_expert"),
          (200, 2, 16, 32, "random"), (9, 4, 300, 8, "random"), (5, 8, 1024, 8, "random"),
-         (300, 4, 8, 128, "one_expert")]
+         (300, 4, 8, 128, "one_expert"), (40, 8, 1024, 8, "random")]
 
 
 @contextlib.contextmanager
