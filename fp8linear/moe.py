@@ -6,7 +6,9 @@ For each token and each of its top-k experts e (weights w13[e] = [gate; up] and 
 2. gate_up = the block-FP8 GEMM with w13[e] (fp32 per K block, rounded to x's dtype);
 3. h = SiLU(gate) * up in x's dtype, then quantized per 128 channels (``silu_mul_quant``'s
    numerics: the down projection's input);
-4. y_e = the block-FP8 GEMM of h with w2[e], kept in fp32;
+4. y_e = the block-FP8 GEMM of h with w2[e], rounded to x's dtype (as gate_up: the bytes
+   the layer writes and reads between the GEMM and the sum halve against fp32; the rounding
+   is 2^-8 of an element, against the 2^-4 of h's fp8 quantization before);
 5. out = sum over the k slots, in slot order, of topk_weight * y_e, in fp32, rounded once.
 
 ``moe_reference`` runs anywhere (the CPU reference); it groups tokens by expert, as the
@@ -84,7 +86,7 @@ def moe_reference(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
         tok, slot = (ids == e).nonzero(as_tuple=True)
         gate_up = reference_gemm(xq[tok], xs[tok], w13[e], w13_scale[e], out_dtype=x.dtype)
         hq, hs = quantize_activation(silu_mul_reference(gate_up))
-        y[tok, slot] = reference_gemm(hq, hs, w2[e], w2_scale[e], out_dtype=torch.float32)
+        y[tok, slot] = reference_gemm(hq, hs, w2[e], w2_scale[e], out_dtype=x.dtype).float()
     out = torch.zeros(m, h, dtype=torch.float32, device=x.device)
     for j in range(ids.shape[1]):  # the fixed combine order: slot 0 first
         out += topk_weights[:, j:j + 1].float() * y[:, j]

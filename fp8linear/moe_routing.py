@@ -8,7 +8,7 @@ sync (CUDA graphs, torch.compile): the sizes are bounds that depend only on M, t
 the tile.
 
     x -> gather by row_token, quantize -> grouped GEMM (w13) -> SiLU-and-mul + quantize
-      -> grouped GEMM (w2, fp32) -> out[t] = sum_j topk_weights[t, j] * y[slot_row[t, j]]
+      -> grouped GEMM (w2) -> out[t] = sum_j topk_weights[t, j] * y[slot_row[t, j]] (fp32)
 
 The torch functions here define each stage; a backend brings its own (``Stages``):
 backends/triton/moe.py has them as one kernel each.
@@ -81,7 +81,7 @@ def combine(y: torch.Tensor, r: Routing, topk_weights: torch.Tensor,
     """out [M, H] = sum over slots, slot 0 first, of topk_weight * y[row], in fp32, rounded
     once to out's dtype; returns out."""
     m, k = r.slot_row.shape
-    ys = y.index_select(0, r.slot_row.reshape(-1)).view(m, k, -1)
+    ys = y.index_select(0, r.slot_row.reshape(-1)).view(m, k, -1).float()
     w = topk_weights.float()
     acc = ys[:, 0] * w[:, :1]
     for j in range(1, k):  # fixed order: the result is the same run to run
@@ -121,8 +121,7 @@ class Stages:
 def sorted_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, token_tile: int,
                stages: Stages, out: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE layer through expert-sorted rows into ``out`` (new if None; inputs validated
-    by the caller); the grouped GEMMs write bf16/fp16 gate_up (``which`` 0) and fp32 down
-    outputs (1)."""
+    by the caller); the grouped GEMMs write x's dtype: gate_up (``which`` 0) and down (1)."""
     m, h = x.shape
     num_experts, two_i, _ = w13.shape
     r = stages.route(topk_ids, num_experts, token_tile)
@@ -130,6 +129,6 @@ def sorted_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, token_ti
     gate_up = torch.empty(r.rows, two_i, dtype=x.dtype, device=x.device)
     stages.grouped_gemm(xq, x_scale, w13, w13_scale, r, gate_up, 0)
     hq, h_scale = stages.silu_mul_quant(gate_up, r)
-    y = torch.empty(r.rows, h, dtype=torch.float32, device=x.device)
+    y = torch.empty(r.rows, h, dtype=x.dtype, device=x.device)
     stages.grouped_gemm(hq, h_scale, w2, w2_scale, r, y, 1)
     return stages.combine(y, r, topk_weights, torch.empty_like(x) if out is None else out)

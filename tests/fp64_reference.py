@@ -102,7 +102,8 @@ def random_matrix(n: int, k: int, gen: torch.Generator, dtype=torch.float32,
 def moe(xq, xs, dtype, w13, s13, w2, s2, weights, ids) -> torch.Tensor:
     """The block-FP8 MoE layer (fp8linear/moe.py's numerics) on quantized activations xq, xs,
     each (token, slot) on its own, in fp64: dequantized operands; the intermediate rounded to
-    ``dtype``, SiLU-and-mul in ``dtype``, quantized per 128 channels with fp64 e4m3 rounding."""
+    ``dtype``, SiLU-and-mul in ``dtype``, quantized per 128 channels with fp64 e4m3 rounding;
+    each expert's output rounded to ``dtype``."""
     xd = dequant(xq, xs)
     out = torch.zeros(xq.shape, dtype=torch.float64, device=xq.device)
     inter = w13.shape[1] // 2
@@ -117,5 +118,5 @@ def moe(xq, xs, dtype, w13, s13, w2, s2, weights, ids) -> torch.Tensor:
             h = ((g / (1 + torch.exp(-g))).to(dtype) * gu[:, inter:]).double()
             hs = activation_scales(h)
             hd = e4m3_round(h / per_element(hs, 1, inter)) * per_element(hs, 1, inter)
-            out[t] += float(weights[t, j]) * (hd @ d2[e].t())[0]
+            out[t] += float(weights[t, j]) * (hd @ d2[e].t()).to(dtype).double()[0]
     return out

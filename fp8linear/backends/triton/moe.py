@@ -318,7 +318,7 @@ def _combine_kernel(y_ptr, slot_row_ptr, w_ptr, out_ptr, H: tl.constexpr, TOP_K:
     for j in tl.static_range(TOP_K):  # slot 0 first: the same sum every run
         row = tl.load(slot_row_ptr + t * TOP_K + j)
         w = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
-        acc += w * tl.load(y_ptr + row * H + cols, mask=mask, other=0.0)
+        acc += w * tl.load(y_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
     pdl_release(USE_GDC, False)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
