@@ -32,8 +32,8 @@ struct GemmArgs {
   float* workspace;       // split-tail configs: fp32 [num_sms * BM * BN] (a partial tile a CTA)
   int* counters;          // split-tail configs: int32 [tiles], zero; the kernel leaves them zero
   // Grouped (mixture of experts, launch_moe_prefill): w [experts, N, K], a the tokens sorted by
-  // expert in 128-row tiles, tile_expert [M / 128] each tile's expert (-1: unused); out may be
-  // fp32. Dense: nullptr and 1.
+  // expert in 128-row tiles, tile_expert [M / 128] each tile's expert (-1: unused). Dense:
+  // nullptr and 1.
   const int* tile_expert;
   int experts;
 };
@@ -90,7 +90,7 @@ struct DecodeArgs {
   int experts;
 };
 std::string launch_decode(const DecodeArgs& args, cudaStream_t stream);
-// The grouped expert GEMM (sm90/moe.cu): fp8 x, 128-row CTAs, bf16/fp16/fp32 outputs.
+// The grouped expert GEMM (sm90/moe.cu): fp8 x, 128-row CTAs, bf16/fp16 outputs.
 std::string launch_moe_decode(const DecodeArgs& args, cudaStream_t stream);
 
 }  // namespace fp8l

@@ -450,14 +450,10 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
 #pragma unroll
       for (int q = 0; q < 4; ++q) o[q] += bias_at(n + q);
     }
-    if constexpr (std::is_same_v<OutT, float>) {
-      *reinterpret_cast<float4*>(out + size_t(m) * p.N + n) = make_float4(o[0], o[1], o[2], o[3]);
-    } else {
-      uint2 packed;
-      packed.x = OutTraits<OutT>::pack(o[0], o[1]);
-      packed.y = OutTraits<OutT>::pack(o[2], o[3]);
-      *reinterpret_cast<uint2*>(out + size_t(m) * p.N + n) = packed;
-    }
+    uint2 packed;
+    packed.x = OutTraits<OutT>::pack(o[0], o[1]);
+    packed.y = OutTraits<OutT>::pack(o[2], o[3]);
+    *reinterpret_cast<uint2*>(out + size_t(m) * p.N + n) = packed;
   };
   constexpr int kTile4 = BT * kRows / 4;  // float4s of a partial tile
   // this split's partial tile [BT tokens][kRows] into dst (shared or global memory)

@@ -98,12 +98,9 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   // 32 columns 64B-swizzled, narrow tiles (BN <= 32, 48) one unswizzled box of BN columns
   const auto out_swizzle = L::kOneBox ? CU_TENSOR_MAP_SWIZZLE_NONE
                            : L::kBoxCols == 32 ? CU_TENSOR_MAP_SWIZZLE_64B : sw128;
-  // (fp32 outputs are stored from registers: no tensor map)
-  if (sizeof(OutT) == 2 &&
-      !(e = make_tensor_map_2d(&tc, g.out, out_type, 2, g.M, g.N, g.N, 64, L::kBoxCols,
+  if (!(e = make_tensor_map_2d(&tc, g.out, out_type, 2, g.M, g.N, g.N, 64, L::kBoxCols,
                                out_swizzle)).empty())
     return e;
-  if (sizeof(OutT) == 4) tc = CUtensorMap{};
 
   constexpr auto kernel = fp8_gemm_kernel<BM, BN, STAGES, CLUSTER, kShareA, kPerRow, kLean,
                                           kQueueNext, kSplitTail, OutT, kGrouped>;
@@ -133,7 +130,7 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   const int early_b = kSplitTail || kGrouped ? 0 : g.early_b;
   GemmParams p{g.M,         g.N,     g.K,     num_kb, g.w_scale, g.bias, g.bias_f32,
                stage_bytes, early_b, g.group_m > 1 ? g.group_m : 1,     a_half,
-               g.workspace, g.counters, g.tile_expert, g.out};
+               g.workspace, g.counters, g.tile_expert};
   cudaLaunchAttribute attr[2];
   cudaLaunchConfig_t cfg = cluster_launch(grid, kThreads, L::kAlloc, stream, CLUSTER, attr);
   if (g.pdl) attr[cfg.numAttrs++] = pdl_attribute();
@@ -189,9 +186,7 @@ std::string launch_moe_prefill(const GemmArgs& g, cudaStream_t stream) {
         g, stream);
   if (g.out_dtype == kOutFP16)
     return launch<128, 128, st, 1, false, false, false, false, false, __half, true>(g, stream);
-  if (g.out_dtype == kOutFP32)
-    return launch<128, 128, st, 1, false, false, false, false, false, float, true>(g, stream);
-  return "outputs are bf16, fp16 or fp32";
+  return "outputs are bf16 or fp16";
 }
 
 std::string launch_gemm(const GemmArgs& g, cudaStream_t stream) {

@@ -53,11 +53,6 @@ struct OutTraits<__half> {
   }
 };
 
-template <>
-struct OutTraits<float> {  // (the grouped expert GEMMs' fp32 outputs: sm90/moe.cu)
-  __device__ static float from(float a) { return a; }
-};
-
 struct GemmParams {
   int M, N, K, num_kb;
   const float* w_scale;  // [ceil(N/128), num_kb] blocks or [N, num_kb] per row
@@ -70,7 +65,6 @@ struct GemmParams {
   float* workspace;      // kSplitTail: fp32 partial tiles, one slot a CTA
   int* counters;         // kSplitTail: one per tile, zero between launches (the last CTA resets)
   const int* tile_expert;  // kGrouped: the expert of each BM-row M block, -1: unused
-  void* out;               // kGrouped fp32 outputs: [M, N], stored from registers
 };
 
 // bias[n], bias[n + 1] as floats, from the output dtype or fp32
@@ -167,7 +161,7 @@ struct SplitTail {
 // kGrouped (the prefill expert GEMM of a mixture-of-experts layer, sm90/moe.cu): A holds the
 // tokens sorted by expert in M blocks of BM rows, B [experts * N, K] every expert's weights;
 // M block mb multiplies expert tile_expert[mb]'s N rows, blocks of -1 are skipped by every
-// role alike. fp32 outputs (OutT = float) are stored from registers.
+// role alike.
 template <int BM, int BN, int STAGES, int CLUSTER, bool kShareA, bool kPerRowB, bool kLean,
           bool kQueueNext, bool kSplitTail, typename OutT, bool kGrouped = false>
 __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 : 1)
@@ -192,8 +186,6 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
   static_assert(!kGrouped || (BM == 128 && BN == 128 && CLUSTER == 1 && !kPerRowB &&
                               !kSplitTail && !kLean),
                 "grouped: single CTAs of 128x128 tiles, block scales");
-  constexpr bool kF32Out = sizeof(OutT) == 4;
-  static_assert(!kF32Out || kGrouped, "fp32 outputs: the grouped expert GEMM only");
   // 128x128 weight-scale blocks: a BN-column tile lies in one block when BN divides 128,
   // else (BN = 48, 96, 160, 192) it can straddle two; the boundary falls on a 32-column
   // multiple (64 for BN = 192; 16 or 32 for BN = 48).
@@ -257,7 +249,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
     tma_prefetch_desc(&tmap_a);
     tma_prefetch_desc(&tmap_b);
     tma_prefetch_desc(&tmap_sa);
-    if constexpr (!kF32Out) tma_prefetch_desc(&tmap_c);
+    tma_prefetch_desc(&tmap_c);
   }
   // The peer multicasts into our ring and arrives on our barriers: they must exist first.
   if constexpr (CLUSTER > 1) cluster_sync();
@@ -744,80 +736,64 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
       }
 
       // ------------------------------------------------------------------------ epilogue
-      if constexpr (kF32Out) {
-        // fp32 (grouped): each thread's column pairs straight from registers (4 lanes write a
-        // row's 32 contiguous bytes); the tile lies inside [M, N] (whole M blocks, N % BN == 0)
-        float* out = static_cast<float*>(p.out);
+      const bool wg_leader = threadIdx.x % 128 == 0;
+      if (wg_leader) tma_store_wait_read();  // the previous tile's store has left smem
+      named_barrier(1 + wg, 128);
+      // The tile into shared memory; with a bias its two values a column pair, fetched per
+      // column (a literal at each call: without one, as for most LLM layers, no adds and no
+      // per-column branch: the epilogue runs while the tensor cores wait)
+      auto stage_tile = [&](const bool kBias) {
+#pragma unroll
+        for (int w = 0; w < kWaves; ++w) {
+          uint8_t* my_out = sOut + wave_row(w) * BN * 2;  // BN/64 boxes of 64 rows
+#pragma unroll
+          for (int j = 0; j < kRegs / 4; ++j) {
+            const int c = 8 * j + col_q;  // column inside the tile
+            float b0 = 0.f, b1 = 0.f;
+            const int n = nb * BN + c;
+            if (kBias && n < p.N) {
+              const float2 bb = load_bias2<OutT>(p.bias, p.bias_f32, n);
+              b0 = bb.x;
+              b1 = bb.y;
+            }
+            // box = kBoxCols columns x 64 rows. 64 columns (128 B rows): the 16-byte chunk
+            // index XOR (row % 8) is the 128-byte swizzle; 32 columns (64 B rows): chunk XOR
+            // ((row / 2) % 4), the 64-byte swizzle. Narrow tiles (BN = 16/32/48): one
+            // unswizzled box.
+            uint8_t* box = my_out + (c / kBoxCols) * 64 * kBoxCols * 2;
+            const int chunk = (c % kBoxCols) / 8;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int r = row_in_wg + 8 * h;
+              const float v0 = acc[w][4 * j + 2 * h], v1 = acc[w][4 * j + 2 * h + 1];
+              const uint32_t v = kBias ? OutTraits<OutT>::pack(v0 + b0, v1 + b1)
+                                       : OutTraits<OutT>::pack(v0, v1);
+              if constexpr (L::kOneBox)
+                *reinterpret_cast<uint32_t*>(box + r * BN * 2 + c * 2) = v;
+              else if constexpr (kBoxCols == 32)
+                *reinterpret_cast<uint32_t*>(box + r * 64 + ((chunk ^ ((r >> 1) & 3)) * 16) +
+                                             (col_q * 2)) = v;
+              else
+                *reinterpret_cast<uint32_t*>(box + r * 128 + ((chunk ^ (r % 8)) * 16) +
+                                             (col_q * 2)) = v;
+            }
+          }
+        }
+      };
+      if (p.bias != nullptr) stage_tile(true);
+      else stage_tile(false);
+      fence_proxy_async_smem();
+      named_barrier(1 + wg, 128);
+      if (wg_leader && mb < num_m && nb < num_n) {
 #pragma unroll
         for (int w = 0; w < kWaves; ++w)
 #pragma unroll
-          for (int j = 0; j < kRegs / 4; ++j)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int r = mb * BM + wave_row(w) + row_in_wg + 8 * h;
-              *reinterpret_cast<float2*>(out + size_t(r) * p.N + nb * BN + 8 * j + col_q) =
-                  make_float2(acc[w][4 * j + 2 * h], acc[w][4 * j + 2 * h + 1]);
-            }
-      } else {
-        const bool wg_leader = threadIdx.x % 128 == 0;
-        if (wg_leader) tma_store_wait_read();  // the previous tile's store has left smem
-        named_barrier(1 + wg, 128);
-        // The tile into shared memory; with a bias its two values a column pair, fetched per
-        // column (a literal at each call: without one, as for most LLM layers, no adds and no
-        // per-column branch: the epilogue runs while the tensor cores wait)
-        auto stage_tile = [&](const bool kBias) {
-#pragma unroll
-          for (int w = 0; w < kWaves; ++w) {
-            uint8_t* my_out = sOut + wave_row(w) * BN * 2;  // BN/64 boxes of 64 rows
-#pragma unroll
-            for (int j = 0; j < kRegs / 4; ++j) {
-              const int c = 8 * j + col_q;  // column inside the tile
-              float b0 = 0.f, b1 = 0.f;
-              const int n = nb * BN + c;
-              if (kBias && n < p.N) {
-                const float2 bb = load_bias2<OutT>(p.bias, p.bias_f32, n);
-                b0 = bb.x;
-                b1 = bb.y;
-              }
-              // box = kBoxCols columns x 64 rows. 64 columns (128 B rows): the 16-byte chunk
-              // index XOR (row % 8) is the 128-byte swizzle; 32 columns (64 B rows): chunk XOR
-              // ((row / 2) % 4), the 64-byte swizzle. Narrow tiles (BN = 16/32/48): one
-              // unswizzled box.
-              uint8_t* box = my_out + (c / kBoxCols) * 64 * kBoxCols * 2;
-              const int chunk = (c % kBoxCols) / 8;
-#pragma unroll
-              for (int h = 0; h < 2; ++h) {
-                const int r = row_in_wg + 8 * h;
-                const float v0 = acc[w][4 * j + 2 * h], v1 = acc[w][4 * j + 2 * h + 1];
-                const uint32_t v = kBias ? OutTraits<OutT>::pack(v0 + b0, v1 + b1)
-                                         : OutTraits<OutT>::pack(v0, v1);
-                if constexpr (L::kOneBox)
-                  *reinterpret_cast<uint32_t*>(box + r * BN * 2 + c * 2) = v;
-                else if constexpr (kBoxCols == 32)
-                  *reinterpret_cast<uint32_t*>(box + r * 64 + ((chunk ^ ((r >> 1) & 3)) * 16) +
-                                               (col_q * 2)) = v;
-                else
-                  *reinterpret_cast<uint32_t*>(box + r * 128 + ((chunk ^ (r % 8)) * 16) +
-                                               (col_q * 2)) = v;
-              }
-            }
-          }
-        };
-        if (p.bias != nullptr) stage_tile(true);
-        else stage_tile(false);
-        fence_proxy_async_smem();
-        named_barrier(1 + wg, 128);
-        if (wg_leader && mb < num_m && nb < num_n) {
-#pragma unroll
-          for (int w = 0; w < kWaves; ++w)
-#pragma unroll
-            for (int cb = 0; cb < BN / kBoxCols; ++cb)
-              tma_store_2d(&tmap_c, sOut + wave_row(w) * BN * 2 + cb * 64 * kBoxCols * 2,
-                           nb * BN + cb * kBoxCols,
-                           (kSplitTail || kGrouped ? mb * BM : tile_row0<BM>(mb, p.M)) +
-                               wave_row(w));
-          tma_store_commit();
-        }
+          for (int cb = 0; cb < BN / kBoxCols; ++cb)
+            tma_store_2d(&tmap_c, sOut + wave_row(w) * BN * 2 + cb * 64 * kBoxCols * 2,
+                         nb * BN + cb * kBoxCols,
+                         (kSplitTail || kGrouped ? mb * BM : tile_row0<BM>(mb, p.M)) +
+                             wave_row(w));
+        tma_store_commit();
       }
     }
     if (threadIdx.x % 128 == 0) tma_store_wait_all();

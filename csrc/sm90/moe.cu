@@ -14,9 +14,7 @@ std::string moe_types(const DecodeArgs& d, cudaStream_t stream) {
   constexpr bool kPerRow = false, kRowStep = false, kRelay = false, kGrouped = true;
   if (d.out_dtype == kOutBF16)
     return launch<BT, 128, kPerRow, __nv_bfloat16, C, kRowStep, kRelay, kGrouped>(d, stream);
-  if (d.out_dtype == kOutFP16)
-    return launch<BT, 128, kPerRow, __half, C, kRowStep, kRelay, kGrouped>(d, stream);
-  return launch<BT, 128, kPerRow, float, C, kRowStep, kRelay, kGrouped>(d, stream);
+  return launch<BT, 128, kPerRow, __half, C, kRowStep, kRelay, kGrouped>(d, stream);
 }
 
 template <int BT>
@@ -39,8 +37,7 @@ std::string launch_moe_decode(const DecodeArgs& d, cudaStream_t stream) {
   if (d.tile_expert == nullptr) return "grouped GEMMs need tile_expert";
   if (d.w_scale_per_row) return "grouped GEMMs take 128x128 weight scales";
   if (d.rows != 128) return "grouped GEMMs run 128-row CTAs";
-  if (d.out_dtype != kOutBF16 && d.out_dtype != kOutFP16 && d.out_dtype != kOutFP32)
-    return "outputs are bf16, fp16 or fp32";
+  if (d.out_dtype != kOutBF16 && d.out_dtype != kOutFP16) return "outputs are bf16 or fp16";
   int config = 0;
 #define FP8L_DECODE_TILE(tokens) \
   if (d.config == config++) {    \

@@ -48,8 +48,7 @@ _DECODE = _layout("decode", ("x", "x_scale", "w", "w_scale", "bias", "out", "str
                              "experts", "device"))
 _IN = {torch.bfloat16: DTYPE_CODES["kInBF16"], torch.float16: DTYPE_CODES["kInFP16"],
        torch.float32: DTYPE_CODES["kInFP32"], torch.float8_e4m3fn: DTYPE_CODES["kInFP8"]}
-_OUT = {torch.bfloat16: DTYPE_CODES["kOutBF16"], torch.float16: DTYPE_CODES["kOutFP16"],
-        torch.float32: DTYPE_CODES["kOutFP32"]}  # (fp32: the grouped expert GEMMs only)
+_OUT = {torch.bfloat16: DTYPE_CODES["kOutBF16"], torch.float16: DTYPE_CODES["kOutFP16"]}
 # the current stream's handle, cheaply (CUDA builds of torch; only called on CUDA tensors)
 _stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
