@@ -242,7 +242,7 @@ def test_grouped_entry_points_refuse_bad_arguments_before_launching():
     a = torch.zeros(256, k, dtype=torch.float8_e4m3fn, device="cuda")
     a_scale = torch.ones(k // 128, 256, device="cuda").t()
     tiles = torch.zeros(2, dtype=torch.int32, device="cuda")
-    out = torch.full((256, n), float("nan"), device="cuda")
+    out = torch.full((256, n), float("nan"), dtype=torch.bfloat16, device="cuda")
 
     def refused(match, call):
         with pytest.raises(library.KernelError, match=match):
