@@ -90,7 +90,8 @@ class Fp8BlockGemmExperts(mk.FusedMoEExpertsModular):
             weights = torch.ones_like(weights)
         args = (hidden_states, w1, self.w1_scale, w2, self.w2_scale, weights.contiguous(),
                 ids.contiguous())
-        if output.is_contiguous():  # (vLLM's output buffer is: the combine writes into it)
+        if (output.is_contiguous() and output.dtype == hidden_states.dtype
+                and output.shape == hidden_states.shape):  # (vLLM's buffer: written in place)
             fused_moe(*args, out=output)
         else:
             output.copy_(fused_moe(*args))

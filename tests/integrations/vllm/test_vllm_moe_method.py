@@ -34,16 +34,20 @@ def _experts(s13, s2):
     return ex
 
 
-def _apply(ex, x, w13, w2, weights, ids, expert_map=None, on_input=False):
-    out = torch.full_like(x, float("nan"))
+def _apply(ex, x, w13, w2, weights, ids, expert_map=None, on_input=False, strided=False):
+    # vLLM's output buffer: contiguous (written in place), or any other view (copied into)
+    out = (torch.full(x.shape[::-1], float("nan"), dtype=x.dtype).t() if strided
+           else torch.full_like(x, float("nan")))
     ex.apply(out, x, w13, w2, weights, ids, compat.MoEActivation.SILU, E, expert_map, None,
              None, None, None, None, on_input)
     return out
 
 
-def test_apply_is_fused_moe_on_the_layers_tokens(layer_data):
+@pytest.mark.parametrize("strided", [False, True])
+def test_apply_is_fused_moe_on_the_layers_tokens(layer_data, strided):
     x, w13, s13, w2, s2, weights, ids = layer_data
-    got = _apply(_experts(s13, s2), x, w13, w2, weights, ids)
+    got = _apply(_experts(s13, s2), x, w13, w2, weights, ids, strided=strided)
+    assert got.is_contiguous() != strided
     torch.testing.assert_close(got, moe_reference(x, w13, s13, w2, s2, weights, ids),
                                rtol=0, atol=0)
 
