@@ -112,3 +112,16 @@ if __name__ == "__main__":
         check_stages(*case, device="cpu")
     check_pipeline("cpu")
     triton_interpreter.passed(len(CASES) + 1)
+
+
+def test_programs_take_whole_groups_and_widen_from_4096_pairs():
+    from fp8linear.backends.triton import moe as tm
+    # (groups a program, pairs a program): below 4096 (row, group) pairs one row's groups,
+    # at most 4, dividing the row's groups; from there 16 pairs, up to 16 groups of a row
+    assert tm.pair_split(16, 1) == (4, 4)            # a decode token of hidden 2048
+    assert tm.pair_split(6, 8) == (2, 2)             # Qwen3-30B-A3B's intermediate, 8 slots
+    assert tm.pair_split(3, 100) == (1, 1)           # 3 groups: no power of 2 divides them
+    assert tm.pair_split(16, 256) == (16, 16)        # 4096 pairs: a token's 16 groups
+    assert tm.pair_split(6, 8192) == (2, 16)         # 8 rows of 2 groups a program
+    assert tm.pair_split(112, 2048) == (16, 16)      # Mixtral's intermediate
+    assert tm.pair_split(6, 8192, forced=4) == (4, 16)
