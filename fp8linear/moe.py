@@ -27,7 +27,7 @@ from .swiglu_quant import silu_mul_reference
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _check(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids):
+def _check(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, out=None):
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _DTYPES:
         raise ValueError(f"x must be a 2-D [M, H] bf16/fp16/fp32 tensor, got "
                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
@@ -61,6 +61,14 @@ def _check(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (shape {tuple(t.shape)}, strides "
                              f"{t.stride()})")
+    if out is not None and not (isinstance(out, torch.Tensor) and out.shape == x.shape
+                                and out.dtype == x.dtype and out.device == x.device
+                                and out.is_contiguous()):
+        got = (f"{tuple(out.shape)} {out.dtype} on {out.device}"
+               f"{'' if out.is_contiguous() else ' (not contiguous)'}"
+               if isinstance(out, torch.Tensor) else type(out).__name__)
+        raise ValueError(f"out must be a contiguous {x.dtype} tensor of x's shape "
+                         f"{tuple(x.shape)} on {x.device}, got {got}")
 
 
 def moe_reference(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
@@ -126,16 +134,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: t
     path for the device; returns out [M, H] in x's dtype (written into ``out`` where given:
     contiguous, on x's device). On the GPU the expert ids are not read on the host (CUDA
     graphs and torch.compile work): they must lie in 0..E-1."""
-    _check(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
+    _check(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, out)
     if out is None:
         out = torch.empty_like(x)
-    elif not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype \
-            or out.device != x.device or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {x.dtype} tensor of x's shape "
-                         f"{tuple(x.shape)} on {x.device}, got "
-                         + (f"{tuple(out.shape)} {out.dtype} on {out.device}"
-                            f"{'' if out.is_contiguous() else ' (not contiguous)'}"
-                            if isinstance(out, torch.Tensor) else type(out).__name__))
     args = (x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, out)
     (op if torch.compiler.is_compiling() else _fused_moe_into)(*args)
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -26,16 +27,6 @@ CASES = [(1, 8, 128, 8, "random"), (5, 3, 6, 8, "random"), (16, 2, 8, 16, "one_e
          (300, 4, 8, 128, "one_expert"), (40, 8, 1024, 8, "random")]
 
 
-@contextlib.contextmanager
-def _wide_from(pairs: int):
-    from fp8linear.backends.triton import moe as tm
-    old, tm.WIDE_MIN_PAIRS = tm.WIDE_MIN_PAIRS, pairs
-    try:
-        yield
-    finally:
-        tm.WIDE_MIN_PAIRS = old
-
-
 def check_stages(m, k, e, tile, routing, device):
     from fp8linear.backends.triton import moe as tm
     gen = torch.Generator().manual_seed(m * 17 + e)
@@ -55,7 +46,7 @@ def check_stages(m, k, e, tile, routing, device):
     hq0, hs0 = mr.silu_mul_quant_rows(gate_up, want)
     # (wide: 16 (row, group) pairs a program, as from WIDE_MIN_PAIRS pairs)
     for groups, wide in ((None, False), (1, False), (4, False), (None, True))[:4 if small else 1]:
-        with _wide_from(0 if wide else tm.WIDE_MIN_PAIRS):
+        with mock.patch.object(tm, "WIDE_MIN_PAIRS", 0) if wide else contextlib.nullcontext():
             q, s = tm.gather_quant(x, got, groups)
             assert torch.equal(q.view(torch.uint8)[used], q0.view(torch.uint8)[used]), groups
             assert torch.equal(s[used], s0[used]), groups
