@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "sm90/api.h"
+#include "sm90/tables.h"
 
 namespace {
 
@@ -166,7 +167,7 @@ struct DecodeCall {
 extern "C" {
 
 // Version of this interface: library.py refuses a library whose version differs.
-FP8L_API int fp8l_abi_version() { return 4; }
+FP8L_API int fp8l_abi_version() { return fp8l::kAbiVersion; }
 
 // sizeof of each argument struct: library.py checks its packed layout against them at load.
 FP8L_API int fp8l_arg_size(int entry) {
@@ -290,6 +291,10 @@ FP8L_API const char* fp8l_decode(const DecodeCall* c) {
   d.num_sms = num_sms();
   d.tile_expert = static_cast<const int*>(c->tile_expert);
   d.experts = c->experts;
+  d.top_k = c->top_k;
+  d.ids_int64 = c->ids_int64;
+  d.ids_ready = c->ids_ready;
+  d.silu_in = c->silu_in;
   if (d.tile_expert != nullptr) return result(fp8l::launch_moe_decode(d, s), "grouped decode");
   return result(fp8l::launch_decode(d, s), "decode");
 }

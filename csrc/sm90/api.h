@@ -88,6 +88,11 @@ struct DecodeArgs {
   // (-1: unused). Dense: nullptr and 1.
   const int* tile_expert;
   int experts;
+  // Slot tiles (launch_moe_decode, top_k > 0; few tokens, no routing): x [M / top_k, K] the
+  // tokens (16-bit), or with silu_in [M, 2K] gate | up rows of the pairs; tile_expert points at
+  // topk_ids [M] (int64 where ids_int64); out [M, N] a row a (token, slot) pair; ids_ready: the
+  // ids were written before the previous kernel (else read after waiting for it, under PDL).
+  int top_k, ids_int64, ids_ready, silu_in;
 };
 std::string launch_decode(const DecodeArgs& args, cudaStream_t stream);
 // The grouped expert GEMM (sm90/moe.cu): fp8 x, 128-row CTAs, bf16/fp16 outputs.

@@ -54,14 +54,19 @@ __host__ __device__ inline DecodeLayout decode_layout(int rows, int bt, int kbs,
   return l;
 }
 
+// (128 bytes: the slot tiles' fields fill the padding, as a larger struct changes the code
+// the compiler makes of every instantiation)
 struct DecodeParams {
   const void* x;
   int x_dtype;           // kInBF16 / kInFP16, or kInFP8 (already quantized; scales in x_scale)
+  int top_k;             // kSlots (below)
   const float* x_scale;  // scale of (m, kb) at x_scale[m * xs_stride_m + kb * xs_stride_kb]
   int xs_stride_m, xs_stride_kb;
   const float* w_scale;
   const void* bias;      // output dtype, or fp32 (bias_f32: added without rounding first)
   bool bias_f32;
+  bool ids_int64, ids_ready, silu_in;  // kSlots (below)
+  int experts;           // kSlots (below)
   void* out;
   float* workspace;
   int* counters;
@@ -74,8 +79,14 @@ struct DecodeParams {
   int first_stages;      // weight stages requested before the activations at most (0: the ring)
   // kGrouped (mixture of experts): the weights are [E * N, K], the scales [E, ...] likewise,
   // and token tile y runs expert tile_expert[y] (-1: an unused tile, the CTA exits)
+  // kSlots (few tokens, no routing): tile y is (token, slot) pair y alone, y / top_k its token,
+  // its expert topk_ids[y] (tile_expert points at topk_ids, int64 where ids_int64; ids outside
+  // 0..experts-1 leave the row unwritten); ids_ready: written before the previous kernel (else
+  // read after griddepcontrol.wait). silu_in: x holds [M, 2K] gate | up rows of this tile's
+  // pair, SiLU-and-mul before the quantization.
   const int* tile_expert;
 };
+static_assert(sizeof(DecodeParams) == 128, "see above");
 
 // kRowStep: a 128-row CTA owning only p.row_step rows (a box of that many lands in its stage;
 // the other rows' results are never stored), its own instantiation so that every other plan
@@ -86,20 +97,32 @@ struct DecodeParams {
 // the window's pace while the previous kernel runs, and the math warps still wait on one
 // barrier a stage (a second wait there cost 2-11%; docs/tuning.md: decode-relay).
 // kGrouped: the grouped expert GEMM of a mixture-of-experts layer (sm90/moe.cu): each token
-// tile belongs to one expert, whose weight rows and scales the CTA reads; fp8 input only.
+// tile belongs to one expert, whose weight rows and scales the CTA reads; fp8 input.
+// kSlots (with kGrouped): one (token, slot) pair a tile, read and quantized in the kernel, no
+// routing (DecodeParams); 16-bit input.
 template <int BT, int kRows, bool kPerRow, typename OutT, int kCtasPerSM, bool kRowStep,
-          bool kRelay = false, bool kGrouped = false>
+          bool kRelay = false, bool kGrouped = false, bool kSlots = false>
 __global__ void __launch_bounds__(384, kCtasPerSM)
     fp8_decode_kernel(const __grid_constant__ CUtensorMap tmap_w,
                       const __grid_constant__ CUtensorMap tmap_x,  // fp8 activations (kInFP8)
                       const DecodeParams p) {
   static_assert(!kGrouped || (!kRowStep && !kRelay), "grouped: plain 128/64-row CTAs");
+  static_assert(!kSlots || kGrouped, "slot tiles are grouped");
   // (grouped) this tile's expert: its first row in the [E * N, K] weights and its scales.
-  // The routing that wrote tile_expert ran before us, not under PDL.
+  // The routing that wrote tile_expert finished before the kernel before us let us launch.
   int wrow0 = 0;
   const float* w_scale = p.w_scale;
   if constexpr (kGrouped) {
-    const int e = __ldg(p.tile_expert + blockIdx.y);
+    int e;
+    if constexpr (kSlots) {
+      if (!p.ids_ready) pdl_wait();  // (the weights stream once the ids are known)
+      const long long id = p.ids_int64
+                               ? __ldg(reinterpret_cast<const long long*>(p.tile_expert) + blockIdx.y)
+                               : __ldg(p.tile_expert + blockIdx.y);
+      e = id >= 0 && id < p.experts ? int(id) : -1;
+    } else {
+      e = __ldg(p.tile_expert + blockIdx.y);
+    }
     if (e < 0) return;
     wrow0 = e * p.N;
     w_scale += size_t(e) * (kPerRow ? p.N : (p.N + kDecodeMaxRows - 1) / kDecodeMaxRows) *
@@ -133,7 +156,8 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
   static_assert(!kRowStep || (kRows == 128 && kCtasPerSM == 1), "row steps: 128-row CTAs");
   const int row_step = kRowStep ? p.row_step : kRows;
   const int n0 = blockIdx.x * row_step;
-  const int m0 = blockIdx.y * BT;
+  // (kSlots: the output row of the tile's one pair, whose token row the fused quantization reads)
+  const int m0 = kSlots ? blockIdx.y : blockIdx.y * BT;
   const int wg = threadIdx.x / 128;
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
@@ -254,7 +278,7 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
     // The CTA's activation slice, quantized once into resident tiles while the producer fills
     // the weight ring: (token, K block) groups of 128 channels spread over the 8 warps.
     // Padding tokens' rows and scales are zero.
-    const int live = min(BT, p.M - m0);
+    const int live = kSlots ? 1 : min(BT, p.M - m0);
     for (int e = tid; e < (BT - live) * kbs * 8; e += 256) {  // 16-byte chunks of padding rows
       const int row = e / 8, t = live + row % (BT - live), i = row / (BT - live);
       uint8_t* chunk = sX + (i * BT + t) * kBlockK + (e % 8) * 16;
@@ -280,8 +304,19 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
         const int g = g0 + 16 * u, t = g / kbs, k = (kb0 + g % kbs) * kBlockK + hl * 8;
         bits[u] = make_uint4(0, 0, 0, 0);  // channels past K (K % 16 == 0: a lane's 8 are
                                            // all in or all out)
-        if (g < groups && k < p.K)
+        if constexpr (kSlots) {  // (t == 0: the pair's one row)
+          if (g < groups && k < p.K) {
+            if (p.silu_in) {
+              const uint16_t* row = xr + size_t(m0) * 2 * p.K + k;
+              bits[u] = silu_mul8(*reinterpret_cast<const uint4*>(row),
+                                  *reinterpret_cast<const uint4*>(row + p.K), fp16);
+            } else {
+              bits[u] = *reinterpret_cast<const uint4*>(xr + size_t(m0 / p.top_k) * p.K + k);
+            }
+          }
+        } else if (g < groups && k < p.K) {
           bits[u] = *reinterpret_cast<const uint4*>(xr + size_t(m0 + t) * p.K + k);
+        }
       }
       // The quant kernel's numerics (quant.cuh: amax over the group, scale = amax / 448, x /
       // scale rounded to e4m3) in fewer instructions, as this runs after griddepcontrol.wait,
@@ -429,8 +464,8 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
       for (int e = 0; e < 4; ++e) {
         const int r = wrow + r0 + (e >= 2 ? 8 : 0);
         const int n = n0 + r;
-        const int m = m0 + 8 * j + cq + (e & 1);
-        if (m < p.M && n < p.N && (!kRowStep || r < row_step)) {
+        const int c = 8 * j + cq + (e & 1), m = m0 + c;
+        if (m < p.M && n < p.N && (!kRowStep || r < row_step) && (!kSlots || c == 0)) {
           const float b = bias != nullptr ? bias_at(n) : 0.f;
           out[size_t(m) * p.N + n] = OutTraits<OutT>::from(acc[4 * j + e] + b);
         }
@@ -444,7 +479,7 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
     const int c = e / kRows, r = e % kRows;
     const int m = m0 + c, n = n0 + r;
     // (row_step % 8 == 0: 4 rows all in or all out)
-    if (m >= p.M || n >= p.N || (kRowStep && r >= row_step)) return;
+    if (m >= p.M || n >= p.N || (kRowStep && r >= row_step) || (kSlots && c > 0)) return;
     float o[4] = {sum.x, sum.y, sum.z, sum.w};
     if (bias != nullptr) {
 #pragma unroll

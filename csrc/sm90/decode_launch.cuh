@@ -70,7 +70,7 @@ inline int relay_stages(int stages) {
 }
 
 template <int BT, int kRows, bool kPerRow, typename OutT, int kCtasPerSM, bool kRowStep,
-          bool kRelay, bool kGrouped = false>
+          bool kRelay, bool kGrouped = false, bool kSlots = false>
 std::string launch(const DecodeArgs& d, cudaStream_t stream) {
   constexpr int kSmemLimit = smem_limit(kCtasPerSM);
   const int num_kb = (d.K + kBlockK - 1) / kBlockK;
@@ -101,13 +101,15 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
                                kBlockK, CU_TENSOR_MAP_SWIZZLE_128B)).empty())
     return e;
   constexpr auto kernel =
-      fp8_decode_kernel<BT, kRows, kPerRow, OutT, kCtasPerSM, kRowStep, kRelay, kGrouped>;
+      fp8_decode_kernel<BT, kRows, kPerRow, OutT, kCtasPerSM, kRowStep, kRelay, kGrouped, kSlots>;
   cudaError_t err = ensure_smem_limit<kernel>(smem);
   if (err != cudaSuccess) return cudaGetErrorString(err);
-  const dim3 grid((d.N + row_step - 1) / row_step, (d.M + BT - 1) / BT, d.splits);
+  // (kSlots: a tile a (token, slot) pair)
+  const dim3 grid((d.N + row_step - 1) / row_step, kSlots ? d.M : (d.M + BT - 1) / BT, d.splits);
   // (first_stages leaves out the row-step CTAs, 128 rows, and the relaying ones, split K)
-  DecodeParams p{d.x,         d.x_dtype,  d.x_scale, d.xs_stride_m, d.xs_stride_kb,
-                 d.w_scale,   d.bias,     d.bias_f32, d.out,     d.workspace,   d.counters,
+  DecodeParams p{d.x,         d.x_dtype,  d.top_k,   d.x_scale,     d.xs_stride_m,
+                 d.xs_stride_kb, d.w_scale, d.bias,  d.bias_f32,    d.ids_int64 != 0,
+                 d.ids_ready != 0, d.silu_in != 0, d.experts, d.out, d.workspace, d.counters,
                  d.M,         d.N,        d.K,       num_kb,        d.splits,
                  stages,      d.pdl && d.early_trigger ? 1 : 0,
                  row_step,

@@ -42,6 +42,34 @@ __device__ __forceinline__ void unpack8(const uint4& bits, bool fp16, float v[8]
   }
 }
 
+// SiLU(gate) * up of 8 packed 16-bit values each, packed the same way: vLLM's SiluAndMul in
+// the activations' dtype (silu in fp32, rounded; the product of two 16-bit floats, exact in
+// fp32, rounded once), as fp8linear.swiglu_quant.silu_mul_reference.
+__device__ __forceinline__ uint4 silu_mul8(const uint4& gate, const uint4& up, bool fp16) {
+  float g[8], u[8];
+  unpack8(gate, fp16, g);
+  unpack8(up, fp16, u);
+  uint32_t w[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    float h[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float a = g[2 * q + i], silu = a / (1.f + __expf(-a));
+      h[i] = (fp16 ? __half2float(__float2half_rn(silu))
+                   : __bfloat162float(__float2bfloat16_rn(silu))) * u[2 * q + i];
+    }
+    if (fp16) {
+      const __half2 v = __floats2half2_rn(h[0], h[1]);
+      w[q] = *reinterpret_cast<const uint32_t*>(&v);
+    } else {
+      const __nv_bfloat162 v = __floats2bfloat162_rn(h[0], h[1]);
+      w[q] = *reinterpret_cast<const uint32_t*>(&v);
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // max that propagates NaN (fmaxf drops it): as torch's amax in
 // fp8linear.quant.quantize_activation, a NaN makes its group's scale, and so the group, NaN.
 __device__ __forceinline__ float fmax_nan(float a, float b) {

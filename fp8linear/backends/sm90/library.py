@@ -19,9 +19,8 @@ from pathlib import Path
 import torch
 
 from . import build
-from .tiles import DTYPE_CODES, ENTRY_ARGS, MOE_PREFILL_CONFIG
+from .tiles import ABI_VERSION, DTYPE_CODES, ENTRY_ARGS, MOE_PREFILL_CONFIG
 
-ABI_VERSION = 4  # csrc/capi.cpp fp8l_abi_version()
 _ENTRIES = ("quant", "gemm", "decode")  # fp8l_arg_size's numbering
 _KIND = {"ptr": "P", "i64": "q", "i32": "i"}
 
@@ -42,10 +41,11 @@ _GEMM = _layout("gemm", ("a", "a_scale_t", "w", "w_scale", "bias", "out", "strea
                          "bias_f32", "out_dtype", "m", "n", "k", "config", "pdl", "quant_pdl",
                          "early_b", "group_m", "experts", "device"))
 _DECODE = _layout("decode", ("x", "x_scale", "w", "w_scale", "bias", "out", "stream",
-                             "tile_expert", "ws_floats", "tiles", "x_dtype", "xs_stride_m", "xs_stride_kb",
+                             "tile_expert", "ws_floats", "tiles", "x_dtype", "xs_stride_m",
+                             "xs_stride_kb",
                              "per_row", "bias_f32", "out_dtype", "m", "n", "k", "config", "rows",
                              "splits", "ctas_per_sm", "pdl", "early_trigger", "quant_first",
-                             "experts", "device"))
+                             "experts", "top_k", "ids_int64", "ids_ready", "silu_in", "device"))
 _IN = {torch.bfloat16: DTYPE_CODES["kInBF16"], torch.float16: DTYPE_CODES["kInFP16"],
        torch.float32: DTYPE_CODES["kInFP32"], torch.float8_e4m3fn: DTYPE_CODES["kInFP8"]}
 _OUT = {torch.bfloat16: DTYPE_CODES["kOutBF16"], torch.float16: DTYPE_CODES["kOutFP16"]}
@@ -120,8 +120,20 @@ class Library:
         self._decode_call(x, x_scale, w, w_scale, False, None, out, ws_floats, tiles, config,
                           128, splits, ctas_per_sm, pdl, False, False, tile_expert)
 
+    def grouped_slots(self, x, w, w_scale, out, topk_ids, ws_floats, tiles, splits,
+                      ctas_per_sm, pdl, silu_in, ids_ready) -> None:
+        # the grouped expert GEMM over slot tiles (backends/sm90/moe.py): a tile a (token,
+        # slot) pair of topk_ids [M, k] (int32/int64), x bf16/fp16: the tokens [M, K], or with
+        # silu_in the pairs' gate | up rows [M * k, 2K]; out [M * k, n]; ids_ready: topk_ids
+        # were written before the previous kernel (else read after waiting for it)
+        self._decode_call(x, None, w, w_scale, False, None, out, ws_floats, tiles, 0, 128,
+                          splits, ctas_per_sm, pdl, False, False, topk_ids,
+                          (topk_ids.shape[1], topk_ids.dtype == torch.int64, ids_ready, silu_in),
+                          out.shape[0])
+
     def _decode_call(self, x, x_scale, w, w_scale, per_row, bias, out, ws_floats, tiles, config,
-                     rows, splits, ctas_per_sm, pdl, early_trigger, quant_first, tile_expert):
+                     rows, splits, ctas_per_sm, pdl, early_trigger, quant_first, tile_expert,
+                     slots=(0, False, False, False), m=None):
         dev = x.device.index
         _check(self._decode(_DECODE.pack(
             x.data_ptr(), 0 if x_scale is None else x_scale.data_ptr(), w.data_ptr(),
@@ -129,9 +141,10 @@ class Library:
             _stream(dev), 0 if tile_expert is None else tile_expert.data_ptr(), ws_floats,
             tiles, _IN[x.dtype], 0 if x_scale is None else x_scale.stride(0),
             0 if x_scale is None else x_scale.stride(1), per_row,
-            bias is not None and bias.dtype == torch.float32, _OUT[out.dtype], x.shape[0],
-            w.shape[-2], w.shape[-1], config, rows, splits, ctas_per_sm, pdl, early_trigger,
-            quant_first, 1 if tile_expert is None else w.shape[0], dev)))
+            bias is not None and bias.dtype == torch.float32, _OUT[out.dtype],
+            x.shape[0] if m is None else m, w.shape[-2], w.shape[-1], config, rows, splits,
+            ctas_per_sm, pdl, early_trigger, quant_first,
+            1 if tile_expert is None else w.shape[0], *slots, dev)))
 
 
 def _check(err) -> None:

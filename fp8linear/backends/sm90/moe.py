@@ -2,7 +2,11 @@
 between (backends/triton/moe.py), in fp8linear.moe_routing's pipeline. Two grouped GEMMs:
 few tokens an expert run the decode kernel over every active expert's weights in one launch
 (csrc/sm90/moe.cu); 128-token tiles run the persistent large-M kernel over the experts'
-tiles (csrc/sm90/gemm.cu: launch_moe_prefill).
+tiles (csrc/sm90/gemm.cu: launch_moe_prefill). A single token (slot tiles) skips the
+pipeline: three launches, the decode kernel a (token, slot) pair a tile reading its token's
+row itself (gate_up), then its pair's gate_up row with SiLU-and-mul (down), then the combine
+(in down's epilogue it measured no faster: the last CTA's serial sum costs what the launch
+did).
 
 ``moe_plan`` picks the token tile and each GEMM's K splits by ordered rules (ids and reasons
 below, measurements in docs/tuning.md), from the shapes alone: routing is not known on the
@@ -32,6 +36,8 @@ TILE_2X_MIN_HIDDEN = 4096
 TILE_2X_MIN_TOKENS = 16
 PREFILL_MIN_TOKENS = 48
 PARALLEL_ROUTE_MIN_SLOTS = 256
+SLOT_TILES_MAX_REREAD_BYTES = 21e6
+SLOT_TILES_MAX_KBS = 64
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,7 @@ class MoePlan:
     pdl: bool = True         # moe-pdl: the GEMMs stream their weights under the kernel before
     prefill: bool = False    # moe-prefill: both GEMMs on the persistent large-M kernel
     parallel_route: bool = False  # moe-route-parallel: routing in three parallel launches
+    slot_tiles: bool = False      # moe-slot-tiles: no routing, a tile a (token, slot) pair
     rule: str = dataclasses.field(default="", compare=False)
 
     @property
@@ -61,7 +68,9 @@ def expected_active(slots: int, experts: int) -> float:
 
 
 @functools.lru_cache(maxsize=4096)
-def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int) -> MoePlan:
+def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int,
+             slot_tiles: bool | None = None) -> MoePlan:
+    """The plan by the rules (``slot_tiles`` forces moe-slot-tiles on or off: ``forced``)."""
     slots = m * top_k
     active = expected_active(slots, experts)
     # moe-token-tile: the smallest tile that holds an active expert's expected tokens, so
@@ -76,12 +85,22 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
     # large-M kernel (tensor-core bound there: its 128x128 tiles, deep pipeline and one wave
     # of CTAs walking all the experts' tiles beat the decode kernel's one-tile CTAs, padding
     # included)
-    prefill = per_expert >= PREFILL_MIN_TOKENS and prefill_takes(hidden, inter)
+    prefill = (per_expert >= PREFILL_MIN_TOKENS and prefill_takes(hidden, inter)
+               and not slot_tiles)
     if prefill:
         want, rule = PREFILL_TILE, "moe-prefill"
+    # moe-slot-tiles: a tile a (token, slot) pair, no routing: the route, gather and
+    # SiLU-and-mul launches go (~7 us; gate_up reads the token's row, down its pair's gate_up
+    # row, each quantizing in the kernel), but pairs of the same expert read its weights
+    # again. One token (its k experts are distinct), or where the expected rereads (pairs
+    # beyond the active experts, 3 * H * I bytes each) stream in less (21 MB at ~3 TB/s)
+    if slot_tiles is None:
+        slot_tiles = m == 1 or (slots - active) * 3 * hidden * inter <= SLOT_TILES_MAX_REREAD_BYTES
+    if slot_tiles:
+        want, rule = DECODE_TILES[0], "moe-slot-tiles"
     config = next((i for i, t in enumerate(DECODE_TILES) if t >= want), len(DECODE_TILES) - 1)
     bt = DECODE_TILES[config]
-    tiles = active * cdiv(per_expert, bt)
+    tiles = slots if slot_tiles else active * cdiv(per_expert, bt)
 
     def gemm(n: int, k: int) -> GroupedGemmPlan:
         if prefill:  # (the persistent kernel walks whole K: nothing to split)
@@ -92,19 +111,25 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
         ctas = 2 if bt <= TWO_PER_SM_MAX_BT else 1
         grid = max(1.0, cdiv(n, ROWS) * tiles)
         splits = max(1, min(int(ctas * sms // grid), num_kb // 2))
+        if slot_tiles:
+            # moe-slot-kbs: a CTA's quantized token slice (1 KB a K block) stays resident
+            # beside >= 2 weight stages (16 KB each) in two CTAs' share of an SM: <= 64 K
+            # blocks a split (DeepSeek-V3's 56 run unsplit, Mixtral's 112 in 4 splits anyway)
+            splits = max(splits, cdiv(num_kb, SLOT_TILES_MAX_KBS))
         return GroupedGemmPlan(splits, ctas)
 
     # moe-pdl: each grouped GEMM launches under PDL and streams its experts' weights while
     # the kernel before it (gather + quant, SiLU-and-mul + quant) runs: the routing that chose
     # the experts (tile_expert) finished before that kernel let the GEMM launch (its programs
     # trigger after their griddepcontrol.wait). It reads its activations after its own wait.
+    # (Slot tiles: gate_up reads the ids after its wait, down before.)
     # moe-route-parallel: from 256 (token, slot) pairs, the routing's three parallel
     # launches (count, scan, place) instead of the one-program route, whose serial walk over
     # the slots grows with them (measured crossover 128-512)
     parallel = slots >= PARALLEL_ROUTE_MIN_SLOTS
     rule += "+moe-pdl" if prefill else "+moe-split-fill+moe-pdl"
     return MoePlan(config, gemm(2 * inter, hidden), gemm(hidden, inter), True, prefill,
-                   parallel, rule + ("+moe-route-parallel" if parallel else ""))
+                   parallel, slot_tiles, rule + ("+moe-route-parallel" if parallel else ""))
 
 
 def prefill_takes(hidden: int, inter: int) -> bool:
@@ -117,18 +142,25 @@ _forced: dict = {}
 
 @contextlib.contextmanager
 def forced(token_tile: int | None = None, splits: int | None = None, pdl: bool | None = None,
-           prefill: bool | None = None):
-    """Overrides the rules' token tile, both GEMMs' K splits, PDL and the prefill kernel (which
-    takes 128-token tiles only) (benchmarks, tests)."""
+           prefill: bool | None = None, slot_tiles: bool | None = None):
+    """Overrides the rules' token tile, both GEMMs' K splits, PDL, the prefill kernel (which
+    takes 128-token tiles only) and the slot tiles (8-token tiles, not with the prefill
+    kernel) (benchmarks, tests)."""
     if token_tile is not None and token_tile not in DECODE_TILES:
         raise ValueError(f"token_tile must be one of {DECODE_TILES}, got {token_tile}")
+    if slot_tiles and (prefill or token_tile not in (None, DECODE_TILES[0])):
+        raise ValueError(f"slot tiles run {DECODE_TILES[0]}-token tiles without the prefill "
+                         f"kernel, got token_tile={token_tile}, prefill={prefill}")
     if splits is not None and splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
     if prefill and token_tile not in (None, PREFILL_TILE):
         raise ValueError(f"the prefill kernel takes {PREFILL_TILE}-token tiles, got {token_tile}")
+    if slot_tiles is None and (prefill or token_tile is not None):
+        slot_tiles = False  # (a forced tile or kernel is the sorted layer's)
     old = dict(_forced)
     _forced.update({k: v for k, v in (("token_tile", token_tile), ("splits", splits),
-                                      ("pdl", pdl), ("prefill", prefill)) if v is not None})
+                                      ("pdl", pdl), ("prefill", prefill),
+                                      ("slot_tiles", slot_tiles)) if v is not None})
     try:
         yield
     finally:
@@ -152,7 +184,8 @@ def _apply_forced(plan: MoePlan, hidden: int, inter: int) -> MoePlan:
         splits = min(_forced.get("splits", old.splits), cdiv(k, BLOCK))
         return GroupedGemmPlan(splits, 2 if bt <= TWO_PER_SM_MAX_BT else 1)
     return MoePlan(config, g(plan.gate_up, hidden), g(plan.down, inter),
-                   _forced.get("pdl", plan.pdl), prefill, plan.parallel_route, "forced")
+                   _forced.get("pdl", plan.pdl), prefill, plan.parallel_route, plan.slot_tiles,
+                   "forced")
 
 
 def supported(hidden: int, inter: int, block_scales: bool) -> bool:
@@ -184,11 +217,34 @@ def _sms(index: int) -> int:
 def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, out):
     m, hidden = x.shape
     experts, two_i, _ = w13.shape
-    plan = moe_plan(m, topk_ids.shape[1], experts, hidden, two_i // 2, _sms(x.device.index))
+    plan = moe_plan(m, topk_ids.shape[1], experts, hidden, two_i // 2, _sms(x.device.index),
+                    _forced.get("slot_tiles"))
     if _forced:
         plan = _apply_forced(plan, hidden, two_i // 2)
+    if plan.slot_tiles:
+        return _slot_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, plan, out)
     return sorted_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids,
                       plan.token_tile, stages(plan), out)
+
+
+def _slot_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, plan: MoePlan, out):
+    """The layer over slot tiles (moe-slot-tiles): gate_up over the tokens' rows, down over
+    SiLU-and-mul of the pairs' gate_up rows, the combine; the pairs' rows in order, unsorted."""
+    slots = topk_ids.numel()
+    lib = library.load()
+
+    def gemm(a, w, w_scale, y, g: GroupedGemmPlan, down: bool):
+        tiles = cdiv(w.shape[1], ROWS) * slots
+        ws = g.splits * tiles * DECODE_TILES[0] * ROWS if g.splits > 1 else 0
+        # (gate_up waits for the kernel that wrote topk_ids before it reads them; down's
+        # kernel before it, gate_up, did)
+        lib.grouped_slots(a, w, w_scale, y, topk_ids, ws, tiles, g.splits, g.ctas_per_sm,
+                          plan.pdl, silu_in=down, ids_ready=down)
+    gate_up = torch.empty(slots, w13.shape[1], dtype=x.dtype, device=x.device)
+    gemm(x, w13, w13_scale, gate_up, plan.gate_up, False)
+    y = torch.empty(slots, x.shape[1], dtype=x.dtype, device=x.device)
+    gemm(gate_up, w2, w2_scale, y, plan.down, True)
+    return triton_moe.combine(y, None, topk_weights, out)
 
 
 @functools.lru_cache(maxsize=None)

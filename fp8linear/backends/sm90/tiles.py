@@ -52,5 +52,7 @@ GEMM_TILES, DECODE_TILES, _LIMITS, DTYPE_CODES, ENTRY_ARGS = _parse(
     (source_dir() / "sm90" / "tables.def").read_text())
 # dynamic shared memory of a CTA by CTAs an SM
 SMEM_PER_CTA = {1: _LIMITS["kSmemOneCtaPerSm"], 2: _LIMITS["kSmemTwoCtasPerSm"]}
+# the C entry points' interface version (csrc/capi.cpp fp8l_abi_version)
+ABI_VERSION = _LIMITS["kAbiVersion"]
 # the large-M tile (GEMM_TILES index) the grouped prefill expert GEMM runs (sm90/gemm.cu)
 MOE_PREFILL_CONFIG = _LIMITS["kMoePrefillConfig"]

@@ -309,27 +309,30 @@ def silu_mul_quant(gate_up: torch.Tensor, r: Routing, groups: int | None = None)
 
 @triton.jit
 def _combine_kernel(y_ptr, slot_row_ptr, w_ptr, out_ptr, H: tl.constexpr, TOP_K: tl.constexpr,
-                    BLOCK_H: tl.constexpr, USE_GDC: tl.constexpr):
+                    BLOCK_H: tl.constexpr, SORTED: tl.constexpr, USE_GDC: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     pdl_acquire(USE_GDC, False)
     for j in tl.static_range(TOP_K):  # slot 0 first: the same sum every run
-        row = tl.load(slot_row_ptr + t * TOP_K + j)
+        # (unsorted: the rows are the pairs in order, as the slot tiles write them)
+        row = tl.load(slot_row_ptr + t * TOP_K + j) if SORTED else t * TOP_K + j
         w = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
         acc += w * tl.load(y_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
     pdl_release(USE_GDC, False)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def combine(y: torch.Tensor, r: Routing, topk_weights: torch.Tensor,
+def combine(y: torch.Tensor, r: Routing | None, topk_weights: torch.Tensor,
             out: torch.Tensor) -> torch.Tensor:
-    """moe_routing.combine into out (contiguous [M, H])."""
-    m, k = r.slot_row.shape
+    """moe_routing.combine into out (contiguous [M, H]); r None: y's rows are the (token,
+    slot) pairs in order ([M * k, H], as the slot tiles write them)."""
+    m, k = topk_weights.shape
     h = y.shape[1]
     block_h = min(1024, triton.next_power_of_2(h))
     pdl = pdl_available(y.device)
-    _combine_kernel[(m, cdiv(h, block_h))](y, r.slot_row, topk_weights, out, h, k, block_h,
-                                           pdl, num_warps=4, launch_pdl=pdl)
+    slot_row = y if r is None else r.slot_row  # (unread when unsorted)
+    _combine_kernel[(m, cdiv(h, block_h))](y, slot_row, topk_weights, out, h, k, block_h,
+                                           r is not None, pdl, num_warps=4, launch_pdl=pdl)
     return out

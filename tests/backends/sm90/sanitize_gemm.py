@@ -59,12 +59,13 @@ CASES = [
 ]
 # MoE layers (M, experts, top_k, hidden, intermediate, dtype), checked against moe_reference
 MOE_CASES = [
-    (1, 8, 2, 256, 128, torch.bfloat16),
+    (1, 16, 4, 1024, 256, torch.float16),    # one token: slot tiles, split K
     (5, 16, 4, 208, 256, torch.float16),
     (40, 4, 2, 384, 128, torch.bfloat16),
+    (1, 8, 2, 256, 128, torch.bfloat16),     # slot tiles
     (300, 8, 2, 256, 128, torch.bfloat16),   # >= 48 tokens an expert: the prefill kernel
-    (200, 8, 2, 256, 256, torch.bfloat16),   # prefill again (an even index: also in --quick)
     (100, 8, 2, 256, 128, torch.bfloat16),   # 200 slots: the one-program routing
+    (200, 8, 2, 256, 256, torch.bfloat16),   # prefill again (--quick takes the even indices)
 ]
 QUICK = [0, 2, 5, 6, 7]   # racecheck is slow on warp-specialized kernels: fewer cases
 # decode plans forced for the decode cases under --configs all (plan.forced pieces)

@@ -27,8 +27,8 @@ def test_expected_active_experts():
 
 
 @pytest.mark.parametrize("model,m,tile", [
-    ("qwen3_30b_a3b", 1, 8), ("qwen3_30b_a3b", 64, 8), ("qwen3_30b_a3b", 256, 16),
-    ("mixtral_8x7b", 1, 8), ("mixtral_8x7b", 16, 8), ("mixtral_8x7b", 64, 32),
+    ("qwen3_30b_a3b", 8, 8), ("qwen3_30b_a3b", 64, 8), ("qwen3_30b_a3b", 256, 16),
+    ("mixtral_8x7b", 2, 8), ("mixtral_8x7b", 16, 8), ("mixtral_8x7b", 64, 32),
     ("deepseek_v3", 16, 8), ("deepseek_v3", 1024, 64),
     ("mixtral_8x7b", 16, 8), ("mixtral_8x7b", 128, 64), ("deepseek_v3", 512, 32),
     ("qwen3_235b_a22b", 256, 32), ("qwen3_30b_a3b", 512, 32)])
@@ -56,6 +56,34 @@ def test_decode_sizes_split_k_where_the_experts_leave_sms_idle():
     assert (plan.gate_up.splits, plan.down.splits) == (2, 2)
 
 
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_one_token_runs_slot_tiles(model):
+    e, k, h, i = MODELS[model]
+    plan = moe_plan(1, k, e, h, i, 132)
+    assert plan.slot_tiles and plan.rule.startswith("moe-slot-tiles+") and plan.token_tile == 8
+    # (a tile a pair: the CTAs are the pairs' row blocks, split as the sorted plan's would be)
+    sorted_plan = moe_plan(1, k, e, h, i, 132, slot_tiles=False)
+    assert (plan.gate_up, plan.down) == (sorted_plan.gate_up, sorted_plan.down)
+    assert not sorted_plan.slot_tiles
+
+
+@pytest.mark.parametrize("model, most", [("qwen3_30b_a3b", 4), ("qwen3_235b_a22b", 2),
+                                         ("deepseek_v3", 2), ("mixtral_8x7b", 1)])
+def test_slot_tiles_while_expected_rereads_stream_in_21_mb(model, most):
+    # pairs beyond the active experts reread an expert's 3 * H * I weight bytes each
+    e, k, h, i = MODELS[model]
+    for m in range(1, 9):
+        rereads = (m * k - expected_active(m * k, e)) * 3 * h * i
+        assert moe_plan(m, k, e, h, i, 132).slot_tiles == (m <= most)
+        assert m == 1 or (rereads <= 21e6) == (m <= most)
+    # forced on for several tokens: one tile each of the m * k pairs
+    forced = moe_plan(4, k, e, h, i, 132, slot_tiles=True)
+    assert forced.slot_tiles and not forced.prefill and forced.token_tile == 8
+    want = max(1, min(2 * 132 // (-(-h // 128) * 4 * k), -(-i // 128) // 2))
+    # (moe-slot-kbs: <= 64 K blocks a split, Mixtral's 112 in two at least)
+    assert forced.down == GroupedGemmPlan(max(want, -(-i // 128 // 64)), 2)
+
+
 # ------------------------------------------------------------------------------ GPU
 GPU_CASES = [  # (M, E, top_k, H, I, routing, dtype)
     (1, 8, 2, 256, 128, "random", torch.bfloat16),          # M = 1
@@ -66,6 +94,15 @@ GPU_CASES = [  # (M, E, top_k, H, I, routing, dtype)
     (64, 16, 4, 1024, 256, "random", torch.bfloat16),       # split K
     (300, 8, 2, 512, 512, "random", torch.bfloat16),        # many tokens an expert: prefill
     (200, 16, 8, 256, 128, "random", torch.bfloat16),       # 1600 slots: parallel routing
+]
+# slot tiles (a tile a (token, slot) pair, the rule for one token), forced for several tokens:
+# experts shared by pairs, one expert taking every token, H off the 128 grid, split K, fp16,
+# int32 ids (the last field)
+SLOT_CASES = [
+    (1, 16, 4, 208, 128, "random", torch.float16, torch.int64),
+    (3, 8, 2, 384, 256, "one_expert", torch.bfloat16, torch.int32),
+    (6, 16, 4, 1024, 256, "random", torch.bfloat16, torch.int64),
+    (2, 128, 8, 512, 384, "random", torch.float16, torch.int32),
 ]
 # the prefill kernel forced where the rules would not pick it: one token, many unused tiles,
 # one expert taking every token, fp16
@@ -105,6 +142,14 @@ def test_fused_moe_matches_fp64(m, e, top_k, h, inter, routing, dtype, monkeypat
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m,e,top_k,h,inter,routing,dtype,ids_dtype", SLOT_CASES)
+def test_slot_tiles_match_fp64(m, e, top_k, h, inter, routing, dtype, ids_dtype, monkeypatch):
+    from fp8linear.backends.sm90 import moe as sm90_moe
+    with sm90_moe.forced(slot_tiles=True):
+        _check_case(m, e, top_k, h, inter, routing, dtype, monkeypatch, ids_dtype=ids_dtype)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m,e,top_k,h,inter,routing,dtype", PREFILL_CASES)
 def test_prefill_kernel_matches_fp64(m, e, top_k, h, inter, routing, dtype, monkeypatch):
     from fp8linear.backends.sm90 import moe as sm90_moe
@@ -112,16 +157,50 @@ def test_prefill_kernel_matches_fp64(m, e, top_k, h, inter, routing, dtype, monk
         _check_case(m, e, top_k, h, inter, routing, dtype, monkeypatch, prefill=True)
 
 
-def _check_case(m, e, top_k, h, inter, routing, dtype, monkeypatch, prefill=None):
+def _check_slots(calls, x, ids, wts, out):
+    """The slot tiles' GEMM outputs (a row a (token, slot) pair, in order) against fp64 of
+    their inputs quantized as the kernel does: gate_up of the pair's token row, down of
+    SiLU-and-mul of the pair's gate_up row (as the Triton kernel of the sorted layer
+    computes it); and the combine into out against the same sum of down's rows in torch."""
+    from fp8linear import silu_mul_quant
+    from fp8linear.moe_routing import Routing, combine
+    (a0, w13, s13, gate_up, kw0), (a1, w2, s2, y, kw1) = calls
+    assert not kw0["silu_in"] and kw1["silu_in"] and a0 is x and torch.equal(a1, gate_up)
+    experts_of = ids.cpu().flatten().long().tolist()
+    tokens = torch.arange(ids.numel()) // ids.shape[1]
+    hq, h_scale_t = silu_mul_quant(gate_up)
+    for a64, w, ws, got in ((R.dequant(*quantize_activation(x.cpu()[tokens])), w13, s13, gate_up),
+                            (R.dequant(hq.cpu(), h_scale_t[:, :len(tokens)].t().cpu()), w2, s2,
+                             y)):
+        ref = torch.stack([a64[i] @ R.dequant(w[e].cpu(), ws[e].cpu()).t()
+                           for i, e in enumerate(experts_of)])
+        assert torch.isfinite(got).all()
+        assert R.rel_err(got.cpu().double(), ref) <= 2e-3, (R.rel_err(got.cpu().double(), ref))
+    in_order = Routing(8, ids.cpu(), tokens, torch.arange(ids.numel()).view(ids.shape))
+    want = combine(y.cpu(), in_order, wts.cpu(), torch.empty(out.shape, dtype=out.dtype)).float()
+    # (the same fp32 sum in the same order, one rounding; fused multiply-adds may move the
+    # fp32 sum by an ulp, and so its rounding by one step)
+    assert torch.allclose(out.cpu().float(), want, rtol=2 ** -7, atol=0), out
+
+
+def _check_case(m, e, top_k, h, inter, routing, dtype, monkeypatch, prefill=None,
+                ids_dtype=torch.int64):
+    from fp8linear.backends.sm90 import library
     from fp8linear.backends.sm90 import moe as sm90_moe
     assert dispatch.moe_backend(torch.device("cuda"), h, inter, True) == "sm90"
     gen = torch.Generator().manual_seed(m * 131 + e)
     x = R.random_matrix(m, h, gen, spread=1.0).to(dtype).cuda()
     w13, s13 = (t.cuda() for t in experts(e, 2 * inter, h, gen))
     w2, s2 = (t.cuda() for t in experts(e, h, inter, gen))
-    ids = topk_ids(m, top_k, e, gen, routing).cuda()
+    ids = topk_ids(m, top_k, e, gen, routing).to(ids_dtype).cuda()
     wts = torch.softmax(torch.randn(m, top_k, generator=gen), 1).cuda()
     calls, real = [], sm90_moe.stages
+    real_slots = library.Library.grouped_slots
+
+    def spied_slots(self, x, w, w_scale, out, topk_ids, *args, **kw):
+        real_slots(self, x, w, w_scale, out, topk_ids, *args, **kw)
+        calls.append((x, w, w_scale, out.clone(), kw))
+    monkeypatch.setattr(library.Library, "grouped_slots", spied_slots)
 
     def spied(plan):  # record each grouped GEMM's inputs and output
         if prefill is not None:
@@ -141,7 +220,9 @@ def _check_case(m, e, top_k, h, inter, routing, dtype, monkeypatch, prefill=None
     # GEMMs' last-bit differences into ~0.1-1% (an element near a rounding boundary moves by
     # one fp8 step), so it is checked against the fp64 formulation within 1e-2
     assert len(calls) == 2
-    _check_grouped(calls)
+    slot_tiles = sm90_moe.moe_plan(m, top_k, e, h, inter, 132,
+                                   sm90_moe._forced.get("slot_tiles")).slot_tiles
+    _check_slots(calls, x, ids, wts, out) if slot_tiles else _check_grouped(calls)
     xq, xs = quantize_activation(x.cpu())
     ref = R.moe(xq, xs, dtype, *(t.cpu() for t in (w13, s13, w2, s2, wts, ids)))
     assert R.rel_err(out.cpu(), ref) <= 1e-2
@@ -153,10 +234,10 @@ def _check_case(m, e, top_k, h, inter, routing, dtype, monkeypatch, prefill=None
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefill", [False, True])
-def test_fused_moe_under_a_cuda_graph_follows_new_routing(prefill):
+@pytest.mark.parametrize("kernel", ["decode", "prefill", "slot_tiles"])
+def test_fused_moe_under_a_cuda_graph_follows_new_routing(kernel):
     from fp8linear.backends.sm90 import moe as sm90_moe
-    with sm90_moe.forced(prefill=prefill):
+    with sm90_moe.forced(prefill=kernel == "prefill", slot_tiles=kernel == "slot_tiles"):
         _graph_follows_routing()
 
 
@@ -189,14 +270,19 @@ def test_forced_pieces_are_checked_and_restored():
         with sm90_moe.forced(splits=0):
             pass
     with sm90_moe.forced(token_tile=64, pdl=False):
-        plan = sm90_moe._apply_forced(moe_plan(1, 8, 128, 2048, 768, 132), 2048, 768)
+        assert sm90_moe._forced["slot_tiles"] is False  # a forced tile: the sorted layer
+        plan = sm90_moe._apply_forced(moe_plan(2, 8, 128, 2048, 768, 132), 2048, 768)
         assert (plan.token_tile, plan.pdl, plan.gate_up.ctas_per_sm, plan.rule) == (
             64, False, 1, "forced")
     with pytest.raises(ValueError, match=r"^the prefill kernel takes 128-token tiles, got 64$"):
         with sm90_moe.forced(token_tile=64, prefill=True):
             pass
+    with pytest.raises(ValueError, match=r"^slot tiles run 8-token tiles without the prefill "
+                                         r"kernel, got token_tile=None, prefill=True$"):
+        with sm90_moe.forced(prefill=True, slot_tiles=True):
+            pass
     with sm90_moe.forced(prefill=True):
-        plan = sm90_moe._apply_forced(moe_plan(1, 8, 128, 2048, 768, 132), 2048, 768)
+        plan = sm90_moe._apply_forced(moe_plan(2, 8, 128, 2048, 768, 132), 2048, 768)
         assert (plan.prefill, plan.token_tile) == (True, 128)
         with pytest.raises(ValueError, match=r"^the prefill kernel needs hidden and 2 \* "
                                              r"intermediate multiples of 128, got 2080, 768$"):
@@ -267,3 +353,11 @@ def test_grouped_entry_points_refuse_bad_arguments_before_launching():
                                 1, False))
     refused(r"splits must be in \[1, ceil\(K/128\)\]",
             lambda: lib.grouped(a, a_scale, w, ws, out, tiles, 0, 4, 0, 3, 1, False))
+    # slot tiles: 16-bit tokens, out a row a (token, slot) pair
+    ids = torch.zeros(64, 4, dtype=torch.int32, device="cuda")
+    refused(r"grouped decode: slot tiles take bf16/fp16 activations",
+            lambda: lib.grouped_slots(a[:64], w, ws, out, ids, 0, 512, 1, 2, False, False,
+                                      False))
+    refused(r"grouped decode: slot tiles: M must be tokens x top_k",
+            lambda: lib.grouped_slots(bf[:64], w, ws, out[:255], ids, 0, 512, 1, 2, False,
+                                      False, False))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from pathlib import Path
 from unittest import mock
@@ -60,6 +61,13 @@ def check_stages(m, k, e, tile, routing, device):
     assert tm.combine(y, got, w, out) is out
     ref = mr.combine(y, want, w, torch.empty(m, 200, device=device))
     # (fp32 rounding of the same sum in the same order; the kernel may fuse multiply-adds)
+    assert torch.allclose(out, ref, rtol=1e-6, atol=1e-6), (out - ref).abs().max()
+    # unsorted (Routing None): y's rows are the (token, slot) pairs in order (slot tiles)
+    pairs = torch.randn(m * k, 200, generator=gen).to(device)
+    out = torch.full((m, 200), float("nan"), device=device)
+    assert tm.combine(pairs, None, w, out) is out
+    in_order = dataclasses.replace(want, slot_row=torch.arange(m * k, device=device).view(m, k))
+    ref = mr.combine(pairs, in_order, w, torch.empty(m, 200, device=device))
     assert torch.allclose(out, ref, rtol=1e-6, atol=1e-6), (out - ref).abs().max()
 
 
