@@ -67,15 +67,15 @@ def test_one_token_runs_slot_tiles(model):
     assert not sorted_plan.slot_tiles
 
 
-@pytest.mark.parametrize("model, most", [("qwen3_30b_a3b", 4), ("qwen3_235b_a22b", 2),
+@pytest.mark.parametrize("model, most", [("qwen3_30b_a3b", 5), ("qwen3_235b_a22b", 2),
                                          ("deepseek_v3", 2), ("mixtral_8x7b", 1)])
-def test_slot_tiles_while_expected_rereads_stream_in_21_mb(model, most):
+def test_slot_tiles_while_expected_rereads_stay_under_30_mb(model, most):
     # pairs beyond the active experts reread an expert's 3 * H * I weight bytes each
     e, k, h, i = MODELS[model]
     for m in range(1, 9):
         rereads = (m * k - expected_active(m * k, e)) * 3 * h * i
         assert moe_plan(m, k, e, h, i, 132).slot_tiles == (m <= most)
-        assert m == 1 or (rereads <= 21e6) == (m <= most)
+        assert m == 1 or (rereads <= 30e6) == (m <= most)
     # forced on for several tokens: one tile each of the m * k pairs
     forced = moe_plan(4, k, e, h, i, 132, slot_tiles=True)
     assert forced.slot_tiles and not forced.prefill and forced.token_tile == 8
