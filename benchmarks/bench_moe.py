@@ -65,6 +65,9 @@ def parse_args(argv=None):
                         "off) at M >= 64")
     p.add_argument("--explore-pdl", action="store_true",
                    help="also fp8linear_moe@nopdl (the grouped GEMMs without PDL)")
+    p.add_argument("--explore-slots", action="store_true",
+                   help="also fp8linear_moe@slots / @sorted (the slot tiles forced on / off) "
+                        "at M <= 8")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -142,9 +145,7 @@ def make_call(method, x, w13, s13, w2, s2, routes, deepgemm=None):
         return lambda i: fp8linear.fused_moe(x, w13, s13, w2, s2, routes[i][1], routes[i][0])
     if method.startswith("fp8linear_moe@"):  # a plan piece forced (exploration)
         from fp8linear.backends.sm90 import moe as sm90_moe
-        piece = method.split("@")[1]  # t<tile>, nopdl, prefill or decode
-        over = ({"pdl": False} if piece == "nopdl" else {"prefill": piece == "prefill"}
-                if piece in ("prefill", "decode") else {"token_tile": int(piece[1:])})
+        over = forced_pieces(method.split("@")[1])
 
         def call(i):
             with sm90_moe.forced(**over):
@@ -158,6 +159,20 @@ def make_call(method, x, w13, s13, w2, s2, routes, deepgemm=None):
             activation="silu", use_fp8_w8a8=True, w1_scale=s13, w2_scale=s2,
             block_shape=[128, 128])
     raise ValueError(f"unknown method {method}")
+
+
+def forced_pieces(piece: str) -> dict:
+    """The plan pieces an exploration method forces (backends/sm90/moe.py ``forced``):
+    t<tile>, nopdl, prefill / decode, slots / sorted."""
+    if piece == "nopdl":
+        return {"pdl": False}
+    if piece in ("prefill", "decode"):
+        return {"prefill": piece == "prefill"}
+    if piece in ("slots", "sorted"):
+        return {"slot_tiles": piece == "slots"}
+    if piece.startswith("t") and piece[1:].isdigit():
+        return {"token_tile": int(piece[1:])}
+    raise ValueError(f"unknown forced piece {piece!r}")
 
 
 def peak_tflops() -> float:
@@ -213,7 +228,9 @@ def main(argv=None) -> int:
             extra = [f"fp8linear_moe@t{t}" for t in args.explore_tiles.split(",") if t and
                      m >= 128] + (["fp8linear_moe@nopdl"] if args.explore_pdl else []) + (
                 ["fp8linear_moe@prefill", "fp8linear_moe@decode"]
-                if args.explore_prefill and m >= 64 else [])
+                if args.explore_prefill and m >= 64 else []) + (
+                ["fp8linear_moe@slots", "fp8linear_moe@sorted"]
+                if args.explore_slots and m <= 8 else [])
             here = [n for n in methods if n != "vllm_deepgemm_moe" or deepgemm.takes(x)]
             for meth in here + extra:
                 call = make_call(meth, x, w13, s13, w2, s2, routes, deepgemm)

@@ -1,9 +1,12 @@
-"""benchmarks/bench_moe.py's table on the CPU: each method's time and fp8linear's speedup over the
-faster vLLM method of the point (the DeepGEMM anchor has rows only where vLLM runs it)."""
+"""benchmarks/bench_moe.py on the CPU: its table (each method's time and fp8linear's speedup over
+the faster vLLM method of the point; the DeepGEMM anchor has rows only where vLLM runs it) and
+the plan pieces its exploration methods force."""
 from __future__ import annotations
 
 import os
 import sys
+
+import pytest
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 if BENCH not in sys.path:
@@ -28,3 +31,17 @@ def test_summary_takes_the_faster_vllm_method_of_each_point():
     assert m1[:2] == ["qwen3_30b_a3b", "1"] and m1[-1] == "1.50x"   # Triton: no DeepGEMM row
     assert "(200%)" in lines[1] and len(m1) == 2 + 2 * 2 + 1      # two methods' columns
     assert m4096[:2] == ["qwen3_30b_a3b", "4096"] and m4096[-1] == "1.15x"  # DeepGEMM's 690
+
+
+def test_exploration_methods_force_the_plan_pieces_they_name():
+    from fp8linear.backends.sm90 import moe as sm90_moe
+    assert bench_moe.forced_pieces("t64") == {"token_tile": 64}
+    assert bench_moe.forced_pieces("nopdl") == {"pdl": False}
+    assert bench_moe.forced_pieces("decode") == {"prefill": False}
+    assert bench_moe.forced_pieces("slots") == {"slot_tiles": True}
+    assert bench_moe.forced_pieces("sorted") == {"slot_tiles": False}
+    with pytest.raises(ValueError, match=r"^unknown forced piece 'fast'$"):
+        bench_moe.forced_pieces("fast")
+    for piece in ("t64", "nopdl", "prefill", "slots", "sorted"):  # each one forced() takes
+        with sm90_moe.forced(**bench_moe.forced_pieces(piece)):
+            assert sm90_moe._forced
