@@ -2,8 +2,8 @@
 between (backends/triton/moe.py), in fp8linear.moe_routing's pipeline. Two grouped GEMMs:
 few tokens an expert run the decode kernel over every active expert's weights in one launch
 (csrc/sm90/moe.cu); 128-token tiles run the persistent large-M kernel over the experts'
-tiles (csrc/sm90/gemm.cu: launch_moe_prefill). A single token (slot tiles) skips the
-pipeline: three launches, the decode kernel a (token, slot) pair a tile reading its token's
+tiles (csrc/sm90/gemm.cu: launch_moe_prefill). One token, or a few (slot tiles), skip the
+sorting: three launches, the decode kernel a (token, slot) pair a tile reading its token's
 row itself (gate_up), then its pair's gate_up row with SiLU-and-mul (down), then the combine
 (in down's epilogue it measured no faster: the last CTA's serial sum costs what the launch
 did).
@@ -81,14 +81,6 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
         # moe-token-tile-2x: wide experts with >= 16 tokens each take a tile of twice that,
         # so that the experts routed more than the mean still stream their weights once
         want, rule = 2 * per_expert, "moe-token-tile-2x"
-    # moe-prefill: from 48 expected tokens an active expert, 128-token tiles on the persistent
-    # large-M kernel (tensor-core bound there: its 128x128 tiles, deep pipeline and one wave
-    # of CTAs walking all the experts' tiles beat the decode kernel's one-tile CTAs, padding
-    # included)
-    prefill = (per_expert >= PREFILL_MIN_TOKENS and prefill_takes(hidden, inter)
-               and not slot_tiles)
-    if prefill:
-        want, rule = PREFILL_TILE, "moe-prefill"
     # moe-slot-tiles: a tile a (token, slot) pair, no routing: the route, gather and
     # SiLU-and-mul launches go (~7 us; gate_up reads the token's row, down its pair's gate_up
     # row, each quantizing in the kernel), but pairs of the same expert read its weights
@@ -99,6 +91,14 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
         slot_tiles = m == 1 or (slots - active) * 3 * hidden * inter <= SLOT_TILES_MAX_REREAD_BYTES
     if slot_tiles:
         want, rule = DECODE_TILES[0], "moe-slot-tiles"
+    # moe-prefill: from 48 expected tokens an active expert, 128-token tiles on the persistent
+    # large-M kernel (tensor-core bound there: its 128x128 tiles, deep pipeline and one wave
+    # of CTAs walking all the experts' tiles beat the decode kernel's one-tile CTAs, padding
+    # included)
+    prefill = (not slot_tiles and per_expert >= PREFILL_MIN_TOKENS
+               and prefill_takes(hidden, inter))
+    if prefill:
+        want, rule = PREFILL_TILE, "moe-prefill"
     config = next((i for i, t in enumerate(DECODE_TILES) if t >= want), len(DECODE_TILES) - 1)
     bt = DECODE_TILES[config]
     tiles = slots if slot_tiles else active * cdiv(per_expert, bt)
