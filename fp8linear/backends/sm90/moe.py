@@ -204,10 +204,16 @@ def _grouped_gemm(plan: MoePlan):
     def run(a, a_scale, w, w_scale, r: Routing, out, which: int):
         g = plan.gate_up if which == 0 else plan.down
         tiles = cdiv(w.shape[1], ROWS) * r.tile_expert.shape[0]
-        ws = g.splits * tiles * r.token_tile * ROWS if g.splits > 1 else 0
-        library.load().grouped(a, a_scale, w, w_scale, out, r.tile_expert, ws, tiles,
+        library.load().grouped(a, a_scale, w, w_scale, out, r.tile_expert,
+                               _partials(g, tiles, r.token_tile), tiles,
                                plan.config, g.splits, g.ctas_per_sm, plan.pdl)
     return run
+
+
+def _partials(g: GroupedGemmPlan, tiles: int, token_tile: int) -> int:
+    """fp32 floats of the split-K partials of a grouped decode GEMM (one [tile x 128] partial
+    a split of each tile; none unsplit)."""
+    return g.splits * tiles * token_tile * ROWS if g.splits > 1 else 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -236,11 +242,11 @@ def _slot_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, plan: Moe
 
     def gemm(a, w, w_scale, y, g: GroupedGemmPlan, down: bool):
         tiles = cdiv(w.shape[1], ROWS) * slots
-        ws = g.splits * tiles * DECODE_TILES[0] * ROWS if g.splits > 1 else 0
         # (gate_up waits for the kernel that wrote topk_ids before it reads them; down's
         # kernel before it, gate_up, did)
-        lib.grouped_slots(a, w, w_scale, y, topk_ids, ws, tiles, g.splits, g.ctas_per_sm,
-                          plan.pdl, silu_in=down, ids_ready=down)
+        lib.grouped_slots(a, w, w_scale, y, topk_ids, _partials(g, tiles, DECODE_TILES[0]),
+                          tiles, g.splits, g.ctas_per_sm, plan.pdl, silu_in=down,
+                          ids_ready=down)
     gate_up = torch.empty(slots, w13.shape[1], dtype=x.dtype, device=x.device)
     gemm(x, w13, w13_scale, gate_up, plan.gate_up, False)
     y = torch.empty(slots, x.shape[1], dtype=x.dtype, device=x.device)

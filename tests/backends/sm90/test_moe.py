@@ -122,18 +122,22 @@ def _poison_cache():
     torch.full((64 << 20,), float("nan"), device="cuda")
 
 
+def _assert_rows_match_fp64(a64, experts, w, w_scale, got):
+    """got's row i against fp64 a64[i] times expert experts[i]'s dequantized weights."""
+    ref = torch.stack([a64[i] @ R.dequant(w[e].cpu(), w_scale[e].cpu()).t()
+                       for i, e in enumerate(experts)])
+    got = got.cpu().double()
+    assert torch.isfinite(got).all()
+    assert R.rel_err(got, ref) <= 2e-3, R.rel_err(got, ref)
+
+
 def _check_grouped(calls):
     """Each grouped GEMM's output rows of real tokens against fp64 of its own inputs."""
     for a, a_scale, w, w_scale, r, out in calls:
-        tile = r.token_tile
         rows = (r.row_token >= 0).nonzero().flatten().cpu()
-        experts = r.tile_expert.cpu()[rows // tile].long()
-        a64 = R.dequant(a.cpu()[rows], a_scale.cpu()[rows])
-        ref = torch.stack([a64[i] @ R.dequant(w[e].cpu(), w_scale[e].cpu()).t()
-                           for i, e in enumerate(experts.tolist())])
-        got = out.cpu()[rows].double()
-        assert torch.isfinite(got).all()
-        assert R.rel_err(got, ref) <= 2e-3, (R.rel_err(got, ref), out.dtype)
+        experts = r.tile_expert.cpu()[rows // r.token_tile].long().tolist()
+        _assert_rows_match_fp64(R.dequant(a.cpu()[rows], a_scale.cpu()[rows]), experts, w,
+                                w_scale, out.cpu()[rows])
 
 
 @pytest.mark.gpu
@@ -170,13 +174,10 @@ def _check_slots(calls, x, ids, wts, out):
     experts_of = ids.cpu().flatten().long().tolist()
     tokens = torch.arange(ids.numel()) // ids.shape[1]
     hq, h_scale_t = silu_mul_quant(gate_up)
-    for a64, w, ws, got in ((R.dequant(*quantize_activation(x.cpu()[tokens])), w13, s13, gate_up),
-                            (R.dequant(hq.cpu(), h_scale_t[:, :len(tokens)].t().cpu()), w2, s2,
-                             y)):
-        ref = torch.stack([a64[i] @ R.dequant(w[e].cpu(), ws[e].cpu()).t()
-                           for i, e in enumerate(experts_of)])
-        assert torch.isfinite(got).all()
-        assert R.rel_err(got.cpu().double(), ref) <= 2e-3, (R.rel_err(got.cpu().double(), ref))
+    _assert_rows_match_fp64(R.dequant(*quantize_activation(x.cpu()[tokens])), experts_of, w13,
+                            s13, gate_up)
+    _assert_rows_match_fp64(R.dequant(hq.cpu(), h_scale_t[:, :len(tokens)].t().cpu()),
+                            experts_of, w2, s2, y)
     in_order = Routing(8, ids.cpu(), tokens, torch.arange(ids.numel()).view(ids.shape))
     want = combine(y.cpu(), in_order, wts.cpu(), torch.empty(out.shape, dtype=out.dtype)).float()
     # (the same fp32 sum in the same order, one rounding; fused multiply-adds may move the
@@ -362,3 +363,11 @@ def test_grouped_entry_points_refuse_bad_arguments_before_launching():
     refused(r"grouped decode: slot tiles: M must be tokens x top_k",
             lambda: lib.grouped_slots(bf[:64], w, ws, out[:255], ids, 0, 512, 1, 2, False,
                                       False, False))
+    refused(r"grouped decode: ctas_per_sm must be 1 or 2",
+            lambda: lib.grouped_slots(bf[:16], w, ws, out[:64], ids[:16], 0, 128, 1, 3, False,
+                                      False, False))
+    # (grouped_slots always passes config 0: the raw call, with the 32-token tile's config)
+    refused(r"grouped decode: slot tiles run decode config 0",
+            lambda: lib._decode_call(bf[:16], None, w, ws, False, None, out[:64], 0, 128, 2,
+                                     128, 1, 2, False, False, False, ids[:16],
+                                     (4, False, False, False), 64))
