@@ -68,6 +68,9 @@ def parse_args(argv=None):
     p.add_argument("--explore-slots", action="store_true",
                    help="also fp8linear_moe@slots / @sorted (the slot tiles forced on / off) "
                         "at M <= 8")
+    p.add_argument("--explore-group-m", default="",
+                   help="e.g. 1,8: also fp8linear_moe@g<band> (the prefill kernel's tile order "
+                        "band forced) at M >= 256")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -163,7 +166,7 @@ def make_call(method, x, w13, s13, w2, s2, routes, deepgemm=None):
 
 def forced_pieces(piece: str) -> dict:
     """The plan pieces an exploration method forces (backends/sm90/moe.py ``forced``):
-    t<tile>, nopdl, prefill / decode, slots / sorted."""
+    t<tile>, nopdl, prefill / decode, slots / sorted, g<band>."""
     if piece == "nopdl":
         return {"pdl": False}
     if piece in ("prefill", "decode"):
@@ -172,6 +175,8 @@ def forced_pieces(piece: str) -> dict:
         return {"slot_tiles": piece == "slots"}
     if piece.startswith("t") and piece[1:].isdigit():
         return {"token_tile": int(piece[1:])}
+    if piece.startswith("g") and piece[1:].isdigit():
+        return {"group_m": int(piece[1:])}
     raise ValueError(f"unknown forced piece {piece!r}")
 
 
@@ -230,7 +235,9 @@ def main(argv=None) -> int:
                 ["fp8linear_moe@prefill", "fp8linear_moe@decode"]
                 if args.explore_prefill and m >= 64 else []) + (
                 ["fp8linear_moe@slots", "fp8linear_moe@sorted"]
-                if args.explore_slots and m <= 8 else [])
+                if args.explore_slots and m <= 8 else []) + [
+                f"fp8linear_moe@g{g}" for g in args.explore_group_m.split(",") if g and
+                m >= 256]
             here = [n for n in methods if n != "vllm_deepgemm_moe" or deepgemm.takes(x)]
             for meth in here + extra:
                 call = make_call(meth, x, w13, s13, w2, s2, routes, deepgemm)

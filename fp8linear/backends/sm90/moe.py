@@ -35,6 +35,7 @@ PREFILL_TILE, PREFILL_TILE_N = GEMM_TILES[MOE_PREFILL_CONFIG].bm, GEMM_TILES[MOE
 TILE_2X_MIN_HIDDEN = 4096
 TILE_2X_MIN_TOKENS = 16
 PREFILL_MIN_TOKENS = 48
+PREFILL_GROUP_M = 1
 PARALLEL_ROUTE_MIN_SLOTS = 256
 SLOT_TILES_MAX_REREAD_BYTES = 30e6
 SLOT_TILES_MAX_KBS = 64
@@ -44,6 +45,7 @@ SLOT_TILES_MAX_KBS = 64
 class GroupedGemmPlan:
     splits: int       # K ranges, reduced in split order (deterministic); 1 for the prefill kernel
     ctas_per_sm: int  # 1, or 2 (token tiles <= 32)
+    group_m: int = 1  # the prefill kernel's tile order: M blocks a band walks per N block
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,7 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
 
     def gemm(n: int, k: int) -> GroupedGemmPlan:
         if prefill:  # (the persistent kernel walks whole K: nothing to split)
-            return GroupedGemmPlan(1, 1)
+            return GroupedGemmPlan(1, 1, PREFILL_GROUP_M)
         # moe-split-fill: split K until the expected CTAs fill the SMs' slots in one wave,
         # keeping >= 2 K blocks a split (the reduction pass costs more below that)
         num_kb = cdiv(k, BLOCK)
@@ -143,10 +145,11 @@ _forced: dict = {}
 
 @contextlib.contextmanager
 def forced(token_tile: int | None = None, splits: int | None = None, pdl: bool | None = None,
-           prefill: bool | None = None, slot_tiles: bool | None = None):
+           prefill: bool | None = None, slot_tiles: bool | None = None,
+           group_m: int | None = None):
     """Overrides the rules' token tile, both GEMMs' K splits, PDL, the prefill kernel (which
-    takes 128-token tiles only) and the slot tiles (8-token tiles, not with the prefill
-    kernel) (benchmarks, tests)."""
+    takes 128-token tiles only), the slot tiles (8-token tiles, not with the prefill
+    kernel) and the prefill kernel's tile order band (benchmarks, tests)."""
     if token_tile is not None and token_tile not in DECODE_TILES:
         raise ValueError(f"token_tile must be one of {DECODE_TILES}, got {token_tile}")
     if slot_tiles and (prefill or token_tile not in (None, DECODE_TILES[0])):
@@ -154,6 +157,8 @@ def forced(token_tile: int | None = None, splits: int | None = None, pdl: bool |
                          f"kernel, got token_tile={token_tile}, prefill={prefill}")
     if splits is not None and splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
+    if group_m is not None and group_m < 1:
+        raise ValueError(f"group_m must be >= 1, got {group_m}")
     if prefill and token_tile not in (None, PREFILL_TILE):
         raise ValueError(f"the prefill kernel takes {PREFILL_TILE}-token tiles, got {token_tile}")
     if slot_tiles is None and (prefill or token_tile is not None):
@@ -161,7 +166,8 @@ def forced(token_tile: int | None = None, splits: int | None = None, pdl: bool |
     old = dict(_forced)
     _forced.update({k: v for k, v in (("token_tile", token_tile), ("splits", splits),
                                       ("pdl", pdl), ("prefill", prefill),
-                                      ("slot_tiles", slot_tiles)) if v is not None})
+                                      ("slot_tiles", slot_tiles), ("group_m", group_m))
+                   if v is not None})
     try:
         yield
     finally:
@@ -183,7 +189,8 @@ def _apply_forced(plan: MoePlan, hidden: int, inter: int) -> MoePlan:
 
     def g(old: GroupedGemmPlan, k: int) -> GroupedGemmPlan:
         splits = min(_forced.get("splits", old.splits), cdiv(k, BLOCK))
-        return GroupedGemmPlan(splits, 2 if bt <= TWO_PER_SM_MAX_BT else 1)
+        group_m = _forced.get("group_m", old.group_m if plan.prefill else PREFILL_GROUP_M)
+        return GroupedGemmPlan(splits, 2 if bt <= TWO_PER_SM_MAX_BT else 1, group_m)
     return MoePlan(config, g(plan.gate_up, hidden), g(plan.down, inter),
                    _forced.get("pdl", plan.pdl), prefill, plan.parallel_route, plan.slot_tiles,
                    "forced")
@@ -198,7 +205,9 @@ def supported(hidden: int, inter: int, block_scales: bool) -> bool:
 def _grouped_gemm(plan: MoePlan):
     if plan.prefill:
         def prefill(a, a_scale, w, w_scale, r: Routing, out, which: int):
-            library.load().grouped_prefill(a, a_scale, w, w_scale, out, r.tile_expert, plan.pdl)
+            g = plan.gate_up if which == 0 else plan.down
+            library.load().grouped_prefill(a, a_scale, w, w_scale, out, r.tile_expert,
+                                           g.group_m, plan.pdl)
         return prefill
 
     def run(a, a_scale, w, w_scale, r: Routing, out, which: int):

@@ -236,6 +236,27 @@ def _check_case(m, e, top_k, h, inter, routing, dtype, monkeypatch, prefill=None
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("group_m", [2, 8, 64])
+def test_prefill_tile_order_leaves_the_output_bitwise(group_m):
+    # each 128x128 tile is one CTA's whole K, whatever order the CTAs walk the tiles in
+    from fp8linear.backends.sm90 import moe as sm90_moe
+    gen = torch.Generator().manual_seed(group_m)
+    m, e, k, h, inter = 700, 8, 2, 512, 384
+    x = R.random_matrix(m, h, gen, spread=1.0).to(torch.bfloat16).cuda()
+    w13, s13 = (t.cuda() for t in experts(e, 2 * inter, h, gen))
+    w2, s2 = (t.cuda() for t in experts(e, h, inter, gen))
+    ids = topk_ids(m, k, e, gen, "random").cuda()
+    wts = torch.softmax(torch.randn(m, k, generator=gen), 1).cuda()
+    with sm90_moe.forced(prefill=True, group_m=1):
+        want = fused_moe(x, w13, s13, w2, s2, wts, ids)
+    _poison_cache()
+    with sm90_moe.forced(prefill=True, group_m=group_m):
+        got = fused_moe(x, w13, s13, w2, s2, wts, ids)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["decode", "prefill", "slot_tiles"])
 def test_fused_moe_under_a_cuda_graph_follows_new_routing(kernel):
     from fp8linear.backends.sm90 import moe as sm90_moe
@@ -283,9 +304,16 @@ def test_forced_pieces_are_checked_and_restored():
                                          r"kernel, got token_tile=None, prefill=True$"):
         with sm90_moe.forced(prefill=True, slot_tiles=True):
             pass
+    with pytest.raises(ValueError, match=r"^group_m must be >= 1, got 0$"):
+        with sm90_moe.forced(group_m=0):
+            pass
     with sm90_moe.forced(prefill=True):
         plan = sm90_moe._apply_forced(moe_plan(2, 8, 128, 2048, 768, 132), 2048, 768)
         assert (plan.prefill, plan.token_tile) == (True, 128)
+        assert plan.gate_up.group_m == plan.down.group_m == sm90_moe.PREFILL_GROUP_M
+        with sm90_moe.forced(group_m=5):
+            plan = sm90_moe._apply_forced(moe_plan(2, 8, 128, 2048, 768, 132), 2048, 768)
+            assert (plan.gate_up.group_m, plan.down.group_m) == (5, 5)
         with pytest.raises(ValueError, match=r"^the prefill kernel needs hidden and 2 \* "
                                              r"intermediate multiples of 128, got 2080, 768$"):
             sm90_moe._apply_forced(moe_plan(1, 8, 128, 2080, 768, 132), 2080, 768)
