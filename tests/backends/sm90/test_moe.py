@@ -310,7 +310,7 @@ def test_forced_pieces_are_checked_and_restored():
     with sm90_moe.forced(prefill=True):
         plan = sm90_moe._apply_forced(moe_plan(2, 8, 128, 2048, 768, 132), 2048, 768)
         assert (plan.prefill, plan.token_tile) == (True, 128)
-        assert plan.gate_up.group_m == plan.down.group_m == sm90_moe.PREFILL_GROUP_M
+        assert plan.gate_up.group_m == plan.down.group_m == 1  # (the decode plan's)
         with sm90_moe.forced(group_m=5):
             plan = sm90_moe._apply_forced(moe_plan(2, 8, 128, 2048, 768, 132), 2048, 768)
             assert (plan.gate_up.group_m, plan.down.group_m) == (5, 5)
@@ -333,6 +333,17 @@ def test_prefill_kernel_from_48_tokens_an_expert(model, m, prefill):
         assert plan.gate_up == plan.down == GroupedGemmPlan(1, 1)
     # hidden sizes off the 128 grid keep the decode kernel
     assert not moe_plan(m, k, e, h + 16, inter, 132).prefill
+
+
+@pytest.mark.parametrize("model, m, band", [
+    ("mixtral_8x7b", 512, 1), ("mixtral_8x7b", 1024, 4),  # 128 / 256 tokens an expert
+    ("mixtral_8x7b", 4096, 4), ("qwen3_235b_a22b", 4096, 1),  # 12 MB of gate_up an expert
+    ("deepseek_v3", 4096, 1), ("qwen3_30b_a3b", 4096, 1)])
+def test_prefill_bands_for_experts_past_the_l2_with_two_tiles(model, m, band):
+    e, k, h, inter = MODELS[model]
+    plan = moe_plan(m, k, e, h, inter, 132)
+    assert plan.prefill and plan.gate_up == plan.down == GroupedGemmPlan(1, 1, band)
+    assert ("moe-prefill-band" in plan.rule) == (band > 1)
 
 
 @pytest.mark.parametrize("m, k, parallel", [(31, 8, False), (32, 8, True), (127, 2, False),
@@ -367,9 +378,11 @@ def test_grouped_entry_points_refuse_bad_arguments_before_launching():
         assert torch.isnan(out).all()  # nothing ran
 
     refused(r"moe prefill: M must be whole 128-row token tiles",
-            lambda: lib.grouped_prefill(a[:200], a_scale[:200], w, ws, out[:200], tiles, False))
+            lambda: lib.grouped_prefill(a[:200], a_scale[:200], w, ws, out[:200], tiles, 1,
+                                        False))
     refused(r"moe prefill: N must be a multiple of 128",
-            lambda: lib.grouped_prefill(a, a_scale, w[:, :200], ws, out[:, :200], tiles, False))
+            lambda: lib.grouped_prefill(a, a_scale, w[:, :200], ws, out[:, :200], tiles, 1,
+                                        False))
     # 16-bit activations (no scales) are not quantized for the grouped kernel: refused
     bf = torch.zeros(256, k, dtype=torch.bfloat16, device="cuda")
     refused(r"moe prefill: grouped GEMMs take fp8 activations", lambda: library._check(
