@@ -34,7 +34,8 @@ ROWS = 128  # weight rows a CTA owns (moe.cu instantiates 128-row CTAs only)
 PREFILL_TILE, PREFILL_TILE_N = GEMM_TILES[MOE_PREFILL_CONFIG].bm, GEMM_TILES[MOE_PREFILL_CONFIG].bn
 TILE_2X_MIN_HIDDEN = 4096
 TILE_2X_MIN_TOKENS = 16
-PREFILL_MIN_TOKENS = 48
+PREFILL_MIN_TOKENS = 32
+PREFILL_MIN_TOKENS_WIDE = 24  # hidden >= TILE_2X_MIN_HIDDEN
 PREFILL_BAND = 4
 PREFILL_BAND_MIN_BYTES = 64 << 20
 PARALLEL_ROUTE_MIN_SLOTS = 256
@@ -94,12 +95,12 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
         slot_tiles = m == 1 or (slots - active) * 3 * hidden * inter <= SLOT_TILES_MAX_REREAD_BYTES
     if slot_tiles:
         want, rule = DECODE_TILES[0], "moe-slot-tiles"
-    # moe-prefill: from 48 expected tokens an active expert, 128-token tiles on the persistent
-    # large-M kernel (tensor-core bound there: its 128x128 tiles, deep pipeline and one wave
-    # of CTAs walking all the experts' tiles beat the decode kernel's one-tile CTAs, padding
-    # included)
-    prefill = (not slot_tiles and per_expert >= PREFILL_MIN_TOKENS
-               and prefill_takes(hidden, inter))
+    # moe-prefill: from 32 expected tokens an active expert (24 for hidden >= 4096),
+    # 128-token tiles on the persistent large-M kernel: its deep pipeline and one wave of
+    # CTAs walking all the experts' tiles beat the decode kernel's one-tile CTAs, padding
+    # included (measured 4-37% faster there; below, the padding loses)
+    min_tokens = PREFILL_MIN_TOKENS_WIDE if hidden >= TILE_2X_MIN_HIDDEN else PREFILL_MIN_TOKENS
+    prefill = not slot_tiles and per_expert >= min_tokens and prefill_takes(hidden, inter)
     if prefill:
         want, rule = PREFILL_TILE, "moe-prefill"
     config = next((i for i, t in enumerate(DECODE_TILES) if t >= want), len(DECODE_TILES) - 1)

@@ -29,9 +29,9 @@ def test_expected_active_experts():
 @pytest.mark.parametrize("model,m,tile", [
     ("qwen3_30b_a3b", 8, 8), ("qwen3_30b_a3b", 64, 8), ("qwen3_30b_a3b", 256, 16),
     ("mixtral_8x7b", 2, 8), ("mixtral_8x7b", 16, 8), ("mixtral_8x7b", 64, 32),
-    ("deepseek_v3", 16, 8), ("deepseek_v3", 1024, 64),
-    ("mixtral_8x7b", 16, 8), ("mixtral_8x7b", 128, 64), ("deepseek_v3", 512, 32),
-    ("qwen3_235b_a22b", 256, 32), ("qwen3_30b_a3b", 512, 32)])
+    ("deepseek_v3", 16, 8), ("deepseek_v3", 640, 64),
+    ("mixtral_8x7b", 16, 8), ("mixtral_8x7b", 80, 64), ("deepseek_v3", 512, 32),
+    ("qwen3_235b_a22b", 256, 32), ("qwen3_30b_a3b", 384, 32)])
 def test_token_tile_holds_an_experts_expected_tokens(model, m, tile):
     e, k, h, i = MODELS[model]
     plan = moe_plan(m, k, e, h, i, 132)
@@ -321,10 +321,11 @@ def test_forced_pieces_are_checked_and_restored():
 
 
 @pytest.mark.parametrize("model, m, prefill", [
-    ("qwen3_30b_a3b", 512, False), ("qwen3_30b_a3b", 1024, True),  # 32 / 64 tokens an expert
-    ("mixtral_8x7b", 128, False), ("mixtral_8x7b", 256, True),     # 32 / 64
+    ("qwen3_30b_a3b", 384, False), ("qwen3_30b_a3b", 512, True),  # 24 / 32 tokens an expert
+    ("mixtral_8x7b", 64, False), ("mixtral_8x7b", 96, True),      # 16 / 24 (hidden 4096)
+    ("deepseek_v3", 512, False), ("deepseek_v3", 768, True),      # 16 / 24 (hidden 7168)
     ("qwen3_30b_a3b", 4096, True), ("deepseek_v3", 4096, True)])
-def test_prefill_kernel_from_48_tokens_an_expert(model, m, prefill):
+def test_prefill_kernel_from_32_tokens_an_expert_24_if_wide(model, m, prefill):
     e, k, h, inter = MODELS[model]
     plan = moe_plan(m, k, e, h, inter, 132)
     assert plan.prefill == prefill and ("moe-prefill" in plan.rule) == prefill
