@@ -11,6 +11,9 @@ For each token and each of its top-k experts e (weights w13[e] = [gate; up] and 
    is 2^-8 of an element, against the 2^-4 of h's fp8 quantization before);
 5. out = sum over the k slots, in slot order, of topk_weight * y_e, in fp32, rounded once.
 
+An expert id of -1 marks a slot whose expert this layer does not hold (expert parallelism:
+another rank's): the slot is skipped, its weight unread.
+
 ``moe_reference`` runs anywhere (the CPU reference); it groups tokens by expert, as the
 kernels do, which changes no result: each (token, slot) is computed on its own. ``fused_moe``
 is the layer for serving: on Hopper our grouped expert GEMMs (backends/sm90/moe.py, with
@@ -78,26 +81,28 @@ def moe_reference(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
 
     x [M, H]; w13 float8 [E, 2I, H] (gate rows first), w13_scale [E, ceil(2I/128), Hb] or
     per-row [E, 2I, Hb]; w2 float8 [E, H, I], w2_scale [E, ceil(H/128), Ib] or [E, H, Ib];
-    topk_weights [M, k] and topk_ids [M, k] (expert ids outside 0..E-1 are a ValueError).
+    topk_weights [M, k] and topk_ids [M, k]: expert ids in 0..E-1, or -1 for a slot skipped
+    (its expert not held here); others are a ValueError.
     The expert ids are read (a host sync): a reference, not a serving path.
     """
     _check(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
     m, h = x.shape
     num_experts = w13.shape[0]
     ids = topk_ids.long()
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
-        raise ValueError(f"topk_ids must be expert ids in 0..{num_experts - 1}, got values "
-                         f"from {int(ids.min())} to {int(ids.max())}")
+    if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= num_experts):
+        raise ValueError(f"topk_ids must be expert ids in 0..{num_experts - 1} or -1, got "
+                         f"values from {int(ids.min())} to {int(ids.max())}")
     xq, xs = quantize_activation(x)
     y = torch.zeros(m, ids.shape[1], h, dtype=torch.float32, device=x.device)
-    for e in torch.unique(ids).tolist():
+    for e in torch.unique(ids[ids >= 0]).tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
         gate_up = reference_gemm(xq[tok], xs[tok], w13[e], w13_scale[e], out_dtype=x.dtype)
         hq, hs = quantize_activation(silu_mul_reference(gate_up))
         y[tok, slot] = reference_gemm(hq, hs, w2[e], w2_scale[e], out_dtype=x.dtype).float()
     out = torch.zeros(m, h, dtype=torch.float32, device=x.device)
     for j in range(ids.shape[1]):  # the fixed combine order: slot 0 first
-        out += topk_weights[:, j:j + 1].float() * y[:, j]
+        here = ids[:, j:j + 1] >= 0
+        out += torch.where(here, topk_weights[:, j:j + 1].float() * y[:, j], 0.0)
     return out.to(x.dtype)
 
 
@@ -133,7 +138,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: t
     """The block-FP8 MoE layer: ``moe_reference``'s arguments and numerics, on the fastest
     path for the device; returns out [M, H] in x's dtype (written into ``out`` where given:
     contiguous, on x's device). On the GPU the expert ids are not read on the host (CUDA
-    graphs and torch.compile work): they must lie in 0..E-1."""
+    graphs and torch.compile work): they must lie in 0..E-1, or be -1 for a slot of an expert
+    not held here (skipped)."""
     _check(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, out)
     if out is None:
         out = torch.empty_like(x)

@@ -10,6 +10,9 @@ the tile.
     x -> gather by row_token, quantize -> grouped GEMM (w13) -> SiLU-and-mul + quantize
       -> grouped GEMM (w2) -> out[t] = sum_j topk_weights[t, j] * y[slot_row[t, j]] (fp32)
 
+A slot of expert id -1 (its expert held by another rank: expert parallelism) takes no row
+(slot_row -1) and adds nothing to its token's sum.
+
 The torch functions here define each stage; a backend brings its own (``Stages``):
 backends/triton/moe.py has them as one kernel each.
 
@@ -33,7 +36,7 @@ class Routing:
     token_tile: int
     tile_expert: torch.Tensor  # int32 [max_tiles]: the expert of each tile, -1: unused
     row_token: torch.Tensor    # int64 [max_tiles * token_tile]: source token, -1: padding
-    slot_row: torch.Tensor     # int64 [M, top_k]: the sorted row of each (token, slot)
+    slot_row: torch.Tensor     # int64 [M, top_k]: the sorted row of each (token, slot), -1: none
 
     @property
     def rows(self) -> int:
@@ -47,27 +50,31 @@ def max_tiles(slots: int, num_experts: int, token_tile: int) -> int:
 
 
 def route(topk_ids: torch.Tensor, num_experts: int, token_tile: int) -> Routing:
-    """Sorts the (token, slot) pairs of ``topk_ids`` [M, k] by expert into padded tiles."""
+    """Sorts the (token, slot) pairs of ``topk_ids`` [M, k] by expert into padded tiles; slots
+    of id -1 (an expert held elsewhere) take no row (slot_row -1)."""
     m, k = topk_ids.shape
     dev = topk_ids.device
     ids = topk_ids.reshape(-1).long()
     slots = ids.numel()
-    counts = torch.zeros(num_experts, dtype=torch.long, device=dev)
-    counts.scatter_add_(0, ids, torch.ones_like(ids))  # (integer adds: exact in any order)
+    key = torch.where(ids >= 0, ids, num_experts)      # (-1: after every expert)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev)
+    counts.scatter_add_(0, key, torch.ones_like(key))  # (integer adds: exact in any order)
     padded = cdiv_t(counts, token_tile) * token_tile
+    padded[num_experts] = 0
     ends = torch.cumsum(padded, 0)
-    order = torch.argsort(ids, stable=True)            # slots by expert, then by slot index
-    sorted_ids = ids[order]
+    order = torch.argsort(key, stable=True)            # slots by expert, then by slot index
+    sorted_key = key[order]
     first = torch.cumsum(counts, 0) - counts           # each expert's first slot in `order`
-    rank = torch.arange(slots, device=dev) - first[sorted_ids]
-    row = (ends - padded)[sorted_ids] + rank
+    rank = torch.arange(slots, device=dev) - first[sorted_key]
+    row = torch.where(sorted_key < num_experts, (ends - padded)[sorted_key] + rank, -1)
     slot_row = torch.empty(slots, dtype=torch.long, device=dev).scatter_(0, order, row)
     tiles = max_tiles(slots, num_experts, token_tile)
-    row_token = torch.full((tiles * token_tile,), -1, dtype=torch.long, device=dev)
-    row_token.scatter_(0, row, order // k)
+    row_token = torch.full((tiles * token_tile + 1,), -1, dtype=torch.long, device=dev)
+    row_token.scatter_(0, torch.where(row >= 0, row, tiles * token_tile), order // k)
+    row_token = row_token[:-1]  # (the last entry took the slots without a row)
     # tile t starts at row t * tile: its expert is the first whose padded rows end after that
     starts = torch.arange(tiles, device=dev) * token_tile
-    expert = torch.searchsorted(ends, starts, right=True)
+    expert = torch.searchsorted(ends[:num_experts], starts, right=True)
     tile_expert = torch.where(expert < num_experts, expert, -1).to(torch.int32)
     return Routing(token_tile, tile_expert, row_token, slot_row.view(m, k))
 
@@ -79,13 +86,15 @@ def cdiv_t(a: torch.Tensor, b: int) -> torch.Tensor:
 def combine(y: torch.Tensor, r: Routing, topk_weights: torch.Tensor,
             out: torch.Tensor) -> torch.Tensor:
     """out [M, H] = sum over slots, slot 0 first, of topk_weight * y[row], in fp32, rounded
-    once to out's dtype; returns out."""
+    once to out's dtype (slots without a row add nothing); returns out."""
     m, k = r.slot_row.shape
-    ys = y.index_select(0, r.slot_row.reshape(-1)).view(m, k, -1).float()
-    w = topk_weights.float()
+    here = r.slot_row >= 0
+    ys = y.index_select(0, r.slot_row.reshape(-1).clamp(min=0)).view(m, k, -1).float()
+    ys = ys.masked_fill(~here[:, :, None], 0.0)
+    w = topk_weights.float().masked_fill(~here, 0.0)
     acc = ys[:, 0] * w[:, :1]
     for j in range(1, k):  # fixed order: the result is the same run to run
-        acc = torch.addcmul(acc, ys[:, j], w[:, j:j + 1])
+        acc = acc + ys[:, j] * w[:, j:j + 1]  # (moe_reference's roundings; addcmul fuses)
     return out.copy_(acc)
 
 

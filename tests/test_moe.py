@@ -50,6 +50,27 @@ def _layer(seed, m, e, h, inter):
                                                                                 generator=gen)
 
 
+@pytest.mark.parametrize("fn", [moe_reference, fused_moe])
+def test_slots_of_experts_held_elsewhere_are_skipped(fn):
+    # expert parallelism: -1 marks a slot whose expert another rank holds; the layer is the
+    # sum over the other slots (weights of -1 slots unread, even NaN), which the fp64
+    # formulation gets from expert 0 with weight 0
+    gen = torch.Generator().manual_seed(11)
+    m, e, k, h, inter = 9, 4, 3, 256, 128
+    x = R.random_matrix(m, h, gen, spread=1.0).to(torch.bfloat16)
+    w13, s13 = experts(e, 2 * inter, h, gen)
+    w2, s2 = experts(e, h, inter, gen)
+    ids = topk_ids(m, k, e, gen, "random")
+    ids[torch.rand(m, k, generator=gen) < 0.5] = -1
+    ids[0] = -1  # a token with no slot here: a zero row
+    wts = torch.softmax(torch.randn(m, k, generator=gen), dim=1)
+    out = fn(x, w13, s13, w2, s2, wts.masked_fill(ids < 0, float("nan")), ids)
+    as_zero = (x, w13, s13, w2, s2, wts.masked_fill(ids < 0, 0.0), ids.clamp(min=0))
+    assert torch.equal(out.view(torch.int16), moe_reference(*as_zero).view(torch.int16))
+    assert R.rel_err(out, _fp64_moe(*as_zero)) <= 2e-3
+    assert torch.equal(out[0], torch.zeros(h, dtype=out.dtype))
+
+
 def test_moe_reference_is_deterministic_and_routing_sensitive():
     x, w13, s13, w2, s2, wts, ids = _layer(5, 9, 4, 128, 128)
     a = moe_reference(x, w13, s13, w2, s2, wts, ids)
@@ -66,9 +87,12 @@ def test_errors_name_the_tensor(fn):
     x = torch.randn(3, 128, dtype=torch.bfloat16)
     ids = torch.zeros(3, 1, dtype=torch.int64)
     wts = torch.ones(3, 1)
-    with pytest.raises(ValueError, match=r"^topk_ids must be expert ids in 0\.\.1, got values "
-                                         r"from 0 to 2$"):
+    with pytest.raises(ValueError, match=r"^topk_ids must be expert ids in 0\.\.1 or -1, got "
+                                         r"values from 0 to 2$"):
         fn(x, w13, s13, w2, s2, wts, torch.tensor([[0], [2], [1]]))
+    with pytest.raises(ValueError, match=r"^topk_ids must be expert ids in 0\.\.1 or -1, got "
+                                         r"values from -2 to 1$"):
+        fn(x, w13, s13, w2, s2, wts, torch.tensor([[0], [-2], [1]]))
     with pytest.raises(ValueError, match=r"^w2 must be float8_e4m3fn \[2, 128, 128\], got "
                                          r"\(2, 128, 64\) torch.float8_e4m3fn$"):
         fn(x, w13, s13, w2[:, :, :64], s2, wts, ids)

@@ -46,6 +46,29 @@ def test_route_places_every_slot_in_its_experts_tile(m, k, e, tile, routing):
         assert torch.all(rows[slots][1:] > rows[slots][:-1])
 
 
+@pytest.mark.parametrize("m,k,e,tile", [(1, 8, 128, 8), (40, 2, 8, 16), (300, 8, 16, 128)])
+def test_route_gives_slots_held_elsewhere_no_row(m, k, e, tile):
+    # expert parallelism: -1 slots take no row; the others sit where the routing of those
+    # slots alone puts them
+    gen = torch.Generator().manual_seed(m + k)
+    ids = _ids(m, k, e, gen, "random")
+    away = torch.rand(m, k, generator=gen) < 0.5
+    r = route(ids.masked_fill(away, -1), e, tile)
+    assert torch.all(r.slot_row[away] == -1)
+    assert r.rows == max_tiles(m * k, e, tile) * tile  # (the bound of all the slots)
+    here = r.slot_row[~away]
+    assert here.unique().numel() == here.numel() == int((r.row_token >= 0).sum())
+    assert torch.equal(r.tile_expert[here // tile].long(), ids[~away])
+    assert torch.equal(r.row_token[here], (torch.arange(m * k) // k).view(m, k)[~away])
+    used = r.tile_expert[r.tile_expert >= 0]
+    assert torch.equal(used.unique(), ids[~away].unique().to(torch.int32))
+    assert torch.all(r.tile_expert[used.numel():] == -1)
+    # every slot of one token held elsewhere: nothing routed, every tile unused
+    none = route(torch.full((m, k), -1), e, tile)
+    assert torch.all(none.slot_row == -1) and torch.all(none.tile_expert == -1)
+    assert torch.all(none.row_token == -1)
+
+
 def test_combine_sums_the_slots_in_order_in_fp32():
     y = torch.tensor([[1.0, 2.0], [3.0, 4.0], [1e8, -1e8], [5.0, 6.0]])
     r = route(torch.tensor([[0, 1], [1, 0]]), 2, 8)
@@ -57,6 +80,13 @@ def test_combine_sums_the_slots_in_order_in_fp32():
     assert torch.equal(out, torch.tensor([[0.5 + 6.0, 1.0 + 8.0], [1e8 + 5.0, -1e8 + 6.0]]))
     half = combine(y_rows, r, w, torch.empty(2, 2, dtype=torch.bfloat16))
     assert torch.equal(half, out.to(torch.bfloat16))  # fp32 sums, rounded once
+    # a slot held elsewhere (-1) adds nothing, whatever its weight
+    away = route(torch.tensor([[0, -1], [-1, -1]]), 2, 8)
+    y_rows = torch.full((away.rows, 2), float("nan"))
+    y_rows[away.slot_row[0, 0]] = y[0]
+    w = torch.tensor([[0.5, float("nan")], [float("inf"), 1.0]])
+    assert torch.equal(combine(y_rows, away, w, torch.empty(2, 2)),
+                       torch.tensor([[0.5, 1.0], [0.0, 0.0]]))
 
 
 def test_gather_quant_zeroes_padding_rows():
@@ -92,3 +122,7 @@ def test_sorted_pipeline_is_moe_reference_bit_for_bit(m, k, e, h, inter, tile, r
     got = sorted_moe(x, w13, s13, w2, s2, wts, ids, tile, reference.moe_stages())
     want = moe_reference(x, w13, s13, w2, s2, wts, ids)
     assert got.dtype == dtype and torch.equal(got, want)
+    # with slots held elsewhere (-1, expert parallelism)
+    ids = ids.masked_fill(torch.rand(m, k, generator=gen) < 0.4, -1)
+    got = sorted_moe(x, w13, s13, w2, s2, wts, ids, tile, reference.moe_stages())
+    assert torch.equal(got, moe_reference(x, w13, s13, w2, s2, wts, ids))

@@ -25,18 +25,13 @@ mk = compat.modular_kernel
 _logged: set = set()
 
 
-def local_routing(topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  expert_map: Optional[torch.Tensor]):
-    """(weights, local ids) of the slots for this rank's experts. Under expert parallelism
-    ``expert_map`` maps a global id to the local one or -1: a slot routed to another rank
-    keeps local expert 0 with weight 0 (its contribution to the sum is an exact zero, and
-    the shapes stay static for CUDA graphs)."""
+def local_ids(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor]) -> torch.Tensor:
+    """The slots' local expert ids. Under expert parallelism ``expert_map`` maps a global id
+    to the local one or -1: fused_moe skips a slot of id -1 (another rank's), which then
+    costs no GEMM rows here."""
     if expert_map is None:
-        return topk_weights, topk_ids
-    local = expert_map[topk_ids.long()]
-    here = local >= 0
-    return (torch.where(here, topk_weights, torch.zeros_like(topk_weights)),
-            torch.where(here, local, torch.zeros_like(local)).to(topk_ids.dtype))
+        return topk_ids
+    return expert_map[topk_ids.long()].to(topk_ids.dtype)
 
 
 class Fp8BlockGemmExperts(mk.FusedMoEExpertsModular):
@@ -85,7 +80,7 @@ class Fp8BlockGemmExperts(mk.FusedMoEExpertsModular):
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
               global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
               expert_tokens_meta, apply_router_weight_on_input):
-        weights, ids = local_routing(topk_weights, topk_ids, expert_map)
+        ids, weights = local_ids(topk_ids, expert_map), topk_weights
         if apply_router_weight_on_input:  # already applied to the input (top-1 models)
             weights = torch.ones_like(weights)
         args = (hidden_states, w1, self.w1_scale, w2, self.w2_scale, weights.contiguous(),

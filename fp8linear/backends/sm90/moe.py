@@ -257,7 +257,9 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, out):
 
 def _slot_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, plan: MoePlan, out):
     """The layer over slot tiles (moe-slot-tiles): gate_up over the tokens' rows, down over
-    SiLU-and-mul of the pairs' gate_up rows, the combine; the pairs' rows in order, unsorted."""
+    SiLU-and-mul of the pairs' gate_up rows, the combine; the pairs' rows in order, unsorted
+    (the pairs of id -1 held elsewhere: rows left unwritten by both GEMMs, skipped by the
+    combine)."""
     slots = topk_ids.numel()
     lib = library.load()
 
@@ -272,7 +274,7 @@ def _slot_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, plan: Moe
     gemm(x, w13, w13_scale, gate_up, plan.gate_up, False)
     y = torch.empty(slots, x.shape[1], dtype=x.dtype, device=x.device)
     gemm(gate_up, w2, w2_scale, y, plan.down, True)
-    return triton_moe.combine(y, None, topk_weights, out)
+    return triton_moe.combine(y, None, topk_weights, out, topk_ids)
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,6 +18,10 @@ fp8linear.moe_routing's ``route``, the gather + quantization of the sorted rows,
   skip. At 128-token tiles half the rows of a used tile may be padding.
 - ``combine``: out[t] = sum over slots j, in order, of w[t, j] * y[slot_row[t, j]], in fp32.
 
+Slots of expert id -1 (held by another rank: expert parallelism) take no row: the routing
+leaves them out (slot_row -1), the gather and SiLU-and-mul skip them, the combine adds
+nothing for them.
+
 Every launch is a PDL launch where the GPU has them (norm_quant.py's protocol: wait for the
 kernel before, then let the next one launch after the last load), so that each one's launch
 overlaps the tail of the kernel before it: the layer is a chain of six dependent launches.
@@ -68,8 +72,9 @@ def _place_chunk(ids_ptr, b, first, row_token_ptr, slot_row_ptr, S, TOP_K,
     slot, hit = _chunk_hits(ids_ptr, b, S, BLOCK_E, BLOCK_S)
     before = tl.cumsum(hit, axis=0) - hit                 # same expert, earlier in the chunk
     row = tl.sum((before + first[None, :]) * hit, axis=1)
-    tl.store(slot_row_ptr + slot, row.to(tl.int64), mask=slot < S)
-    tl.store(row_token_ptr + row, (slot // TOP_K).to(tl.int64), mask=slot < S)
+    placed = tl.sum(hit, axis=1) > 0                      # (id -1: held elsewhere, no row)
+    tl.store(slot_row_ptr + slot, tl.where(placed, row, -1).to(tl.int64), mask=slot < S)
+    tl.store(row_token_ptr + row, (slot // TOP_K).to(tl.int64), mask=(slot < S) & placed)
     return tl.sum(hit, axis=0)
 
 
@@ -223,9 +228,9 @@ def _gather_quant_kernel(x_ptr, slot_row_ptr, q_ptr, s_ptr, s_ld, M,
     pdl_release(USE_GDC, False)
     q, s = quant_group(x, FP8_MAX_C, EPS, ROUND_FIRST)
     for k in tl.static_range(TOP_K):
-        row = tl.load(slot_row_ptr + t * TOP_K + k, mask=live, other=0)
-        tl.store(q_ptr + row[:, None] * K + cols, q, mask=mask)
-        tl.store(s_ptr + g.to(tl.int64) * s_ld + row, s, mask=live)
+        row = tl.load(slot_row_ptr + t * TOP_K + k, mask=live, other=-1)
+        tl.store(q_ptr + row[:, None] * K + cols, q, mask=mask & (row >= 0)[:, None])
+        tl.store(s_ptr + g.to(tl.int64) * s_ld + row, s, mask=live & (row >= 0))
 
 
 def gather_quant(x: torch.Tensor, r: Routing, groups: int | None = None):
@@ -281,9 +286,10 @@ def _silu_mul_quant_kernel(x_ptr, slot_row_ptr, q_ptr, s_ptr, s_ld, SLOTS, D: tl
     g = tl.program_id(1) * CG + j % CG
     live = (slot < SLOTS) & (g * 128 < D)
     cols = g[:, None] * 128 + tl.arange(0, 128)[None, :]
-    mask = live[:, None] & (cols < D)
     pdl_acquire(USE_GDC, False)
-    row = tl.load(slot_row_ptr + slot, mask=live, other=0)
+    row = tl.load(slot_row_ptr + slot, mask=live, other=-1)
+    live = live & (row >= 0)  # (a slot held elsewhere has no row)
+    mask = live[:, None] & (cols < D)
     a = tl.load(x_ptr + row[:, None] * (2 * D) + cols, mask=mask, other=0.0)
     b = tl.load(x_ptr + row[:, None] * (2 * D) + D + cols, mask=mask, other=0.0)
     pdl_release(USE_GDC, False)
@@ -316,23 +322,29 @@ def _combine_kernel(y_ptr, slot_row_ptr, w_ptr, out_ptr, H: tl.constexpr, TOP_K:
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     pdl_acquire(USE_GDC, False)
     for j in tl.static_range(TOP_K):  # slot 0 first: the same sum every run
-        # (unsorted: the rows are the pairs in order, as the slot tiles write them)
-        row = tl.load(slot_row_ptr + t * TOP_K + j) if SORTED else t * TOP_K + j
-        w = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
-        acc += w * tl.load(y_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+        # sorted: the slot's row, -1 for none; unsorted: the rows are the pairs in order, as
+        # the slot tiles write them, and the pointer holds the pairs' expert ids (-1: none)
+        at = tl.load(slot_row_ptr + t * TOP_K + j)
+        row = tl.maximum(at, 0) if SORTED else t * TOP_K + j
+        # a slot held elsewhere adds nothing: its weight and row (any values) selected away
+        here = at >= 0
+        w = tl.where(here, tl.load(w_ptr + t * TOP_K + j).to(tl.float32), 0.0)
+        v = tl.load(y_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+        acc += w * tl.where(here, v, 0.0)
     pdl_release(USE_GDC, False)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def combine(y: torch.Tensor, r: Routing | None, topk_weights: torch.Tensor,
-            out: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor, topk_ids: torch.Tensor | None = None) -> torch.Tensor:
     """moe_routing.combine into out (contiguous [M, H]); r None: y's rows are the (token,
-    slot) pairs in order ([M * k, H], as the slot tiles write them)."""
+    slot) pairs in order ([M * k, H], as the slot tiles write them), topk_ids theirs (pairs
+    of id -1, held elsewhere, add nothing)."""
     m, k = topk_weights.shape
     h = y.shape[1]
     block_h = min(1024, triton.next_power_of_2(h))
     pdl = pdl_available(y.device)
-    slot_row = y if r is None else r.slot_row  # (unread when unsorted)
-    _combine_kernel[(m, cdiv(h, block_h))](y, slot_row, topk_weights, out, h, k, block_h,
-                                           r is not None, pdl, num_warps=4, launch_pdl=pdl)
+    _combine_kernel[(m, cdiv(h, block_h))](y, topk_ids if r is None else r.slot_row,
+                                           topk_weights, out, h, k, block_h, r is not None,
+                                           pdl, num_warps=4, launch_pdl=pdl)
     return out

@@ -236,6 +236,35 @@ def _check_case(m, e, top_k, h, inter, routing, dtype, monkeypatch, prefill=None
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["decode", "prefill", "slot_tiles"])
+def test_slots_held_elsewhere_add_nothing(kernel):
+    # expert parallelism: slots of id -1 (another rank's experts) take no rows and add
+    # nothing, their weights unread (NaN here); a token with every slot elsewhere is zero
+    from fp8linear.backends.sm90 import moe as sm90_moe
+    gen = torch.Generator().manual_seed(7)
+    m, e, k, h, inter = 40, 16, 4, 512, 256
+    x = R.random_matrix(m, h, gen, spread=1.0).to(torch.bfloat16)
+    w13, s13 = experts(e, 2 * inter, h, gen)
+    w2, s2 = experts(e, h, inter, gen)
+    ids = topk_ids(m, k, e, gen, "random")
+    away = torch.rand(m, k, generator=gen) < 0.5
+    away[3] = True
+    ids, wts = ids.masked_fill(away, -1), torch.softmax(torch.randn(m, k, generator=gen), 1)
+    xq, xs = quantize_activation(x)
+    as_zero = R.moe(xq, xs, torch.bfloat16, w13, s13, w2, s2, wts.masked_fill(away, 0.0),
+                    ids.clamp(min=0))
+    args = [t.cuda() for t in (x, w13, s13, w2, s2, wts.masked_fill(away, float("nan")), ids)]
+    _poison_cache()
+    with sm90_moe.forced(prefill=kernel == "prefill", slot_tiles=kernel == "slot_tiles"):
+        out = fused_moe(*args)
+        again = fused_moe(*args)
+    assert torch.isfinite(out).all() and torch.equal(out[3].cpu(), torch.zeros(h).bfloat16())
+    assert R.rel_err(out.cpu(), as_zero) <= 1e-2
+    assert R.rel_err(out, moe_reference(*args)) <= 1e-2
+    assert torch.equal(out.view(torch.int16), again.view(torch.int16))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("group_m", [2, 8, 64])
 def test_prefill_tile_order_leaves_the_output_bitwise(group_m):
     # each 128x128 tile is one CTA's whole K, whatever order the CTAs walk the tiles in

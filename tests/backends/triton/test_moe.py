@@ -22,16 +22,21 @@ from moe_cases import experts, topk_ids  # noqa: E402
 # (M, top_k, experts, token tile, routing); 200 x 2 slots: pass 2 over several 128-slot steps
 # (route_parallel: several chunks); 300 and 1024 experts: 32- and 16-slot steps; 300 x 4
 # slots to 4 experts: one expert's rows across ten chunks (2304 sorted rows); 40 x 8 slots to
-# 1024 experts: 20 chunks of 16, scanned 16 a step (two steps)
-CASES = [(1, 8, 128, 8, "random"), (5, 3, 6, 8, "random"), (16, 2, 8, 16, "one_expert"),
-         (200, 2, 16, 32, "random"), (9, 4, 300, 8, "random"), (5, 8, 1024, 8, "random"),
-         (300, 4, 8, 128, "one_expert"), (40, 8, 1024, 8, "random")]
+# 1024 experts: 20 chunks of 16, scanned 16 a step (two steps). The last field: the share of
+# slots held by another rank (id -1, expert parallelism), all of them for the last case
+CASES = [(1, 8, 128, 8, "random", 0), (5, 3, 6, 8, "random", 0),
+         (16, 2, 8, 16, "one_expert", 0), (200, 2, 16, 32, "random", 0),
+         (9, 4, 300, 8, "random", 0), (5, 8, 1024, 8, "random", 0),
+         (300, 4, 8, 128, "one_expert", 0), (40, 8, 1024, 8, "random", 0),
+         (200, 2, 16, 32, "random", 0.5), (40, 8, 128, 8, "random", 0.5),
+         (3, 8, 128, 8, "random", 1)]
 
 
-def check_stages(m, k, e, tile, routing, device):
+def check_stages(m, k, e, tile, routing, away, device):
     from fp8linear.backends.triton import moe as tm
     gen = torch.Generator().manual_seed(m * 17 + e)
-    ids = topk_ids(m, k, e, gen, routing).to(torch.int32).to(device)
+    ids = topk_ids(m, k, e, gen, routing).to(torch.int32)
+    ids = ids.masked_fill(torch.rand(m, k, generator=gen) < away, -1).to(device)
     got, want = tm.route(ids, e, tile), mr.route(ids, e, tile)
     for f in ("tile_expert", "row_token", "slot_row"):
         assert torch.equal(getattr(got, f), getattr(want, f)), (f, getattr(got, f))
@@ -65,8 +70,9 @@ def check_stages(m, k, e, tile, routing, device):
     # unsorted (Routing None): y's rows are the (token, slot) pairs in order (slot tiles)
     pairs = torch.randn(m * k, 200, generator=gen).to(device)
     out = torch.full((m, 200), float("nan"), device=device)
-    assert tm.combine(pairs, None, w, out) is out
-    in_order = dataclasses.replace(want, slot_row=torch.arange(m * k, device=device).view(m, k))
+    assert tm.combine(pairs, None, w, out, ids) is out
+    in_order = dataclasses.replace(want, slot_row=torch.arange(m * k, device=device).view(
+        m, k).masked_fill(ids < 0, -1))
     ref = mr.combine(pairs, in_order, w, torch.empty(m, 200, device=device))
     assert torch.allclose(out, ref, rtol=1e-6, atol=1e-6), (out - ref).abs().max()
 
@@ -83,10 +89,15 @@ def check_pipeline(device):
     wts = torch.softmax(torch.randn(m, k, generator=gen), 1)
     stages = mr.Stages(tm.route, tm.gather_quant, reference.grouped_gemm, tm.silu_mul_quant,
                        tm.combine)
-    args = [t.to(device) for t in (x, w13, s13, w2, s2, wts, ids)]
-    got = mr.sorted_moe(*args, 8, stages).cpu()
-    want = moe_reference(x, w13, s13, w2, s2, wts, ids)
-    assert (got.float() - want.float()).abs().max() <= 2 ** -8 * want.float().abs().max()
+    # all slots here, then a third held elsewhere (-1; their weights NaN: unread)
+    for ids, wts in ((ids, wts), (ids.masked_fill(torch.arange(m * k).view(m, k) % 3 == 1, -1),
+                                  wts.masked_fill(torch.arange(m * k).view(m, k) % 3 == 1,
+                                                  float("nan")))):
+        args = [t.to(device) for t in (x, w13, s13, w2, s2, wts, ids)]
+        got = mr.sorted_moe(*args, 8, stages).cpu()
+        want = moe_reference(x, w13, s13, w2, s2, wts, ids)
+        assert torch.isfinite(got).all()
+        assert (got.float() - want.float()).abs().max() <= 2 ** -8 * want.float().abs().max()
 
 
 @pytest.mark.skipif(triton_interpreter.interpreting(), reason="already interpreting")

@@ -68,12 +68,12 @@ def test_expert_parallel_ranks_sum_to_the_whole_layer(layer_data):
     assert ((total - want).norm() / want.norm()) < 4e-3
 
 
-def test_local_routing_zeroes_other_ranks_slots():
-    ids = torch.tensor([[0, 5], [4, 1]])
+def test_other_ranks_slots_get_id_minus_one():
+    ids = torch.tensor([[0, 5], [4, 1]], dtype=torch.int32)
     expert_map = torch.tensor([-1, -1, -1, -1, 0, 1], dtype=torch.int32)
-    w, local = moe_method.local_routing(torch.tensor([[0.3, 0.7], [0.6, 0.4]]), ids, expert_map)
-    assert local.tolist() == [[0, 1], [0, 0]] and local.dtype == ids.dtype
-    assert w.tolist() == [[0.0, pytest.approx(0.7)], [pytest.approx(0.6), 0.0]]
+    local = moe_method.local_ids(ids, expert_map)
+    assert local.tolist() == [[-1, 1], [0, -1]] and local.dtype == ids.dtype
+    assert moe_method.local_ids(ids, None) is ids
 
 
 def test_router_weight_applied_on_input_is_not_applied_again(layer_data):
