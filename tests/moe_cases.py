@@ -28,3 +28,14 @@ def topk_ids(m: int, k: int, e: int, gen: torch.Generator, routing: str) -> torc
         return (torch.arange(k) + 3).repeat(m, 1)
     pool = 3 if routing == "few" else e
     return torch.stack([torch.randperm(pool, generator=gen)[:k] for _ in range(m)])
+
+
+def layer(gen: torch.Generator, m: int, e: int, k: int, h: int, inter: int,
+          routing: str = "random", dtype=torch.bfloat16):
+    """A random MoE layer's inputs: (x [m, h], w13, w13_scale, w2, w2_scale, topk_weights,
+    topk_ids), on the CPU."""
+    x = R.random_matrix(m, h, gen, spread=1.0).to(dtype)
+    w13, s13 = experts(e, 2 * inter, h, gen)
+    w2, s2 = experts(e, h, inter, gen)
+    ids = topk_ids(m, k, e, gen, routing)
+    return x, w13, s13, w2, s2, torch.softmax(torch.randn(m, k, generator=gen), 1), ids

@@ -7,7 +7,7 @@ import torch
 
 import fp64_reference as R
 from fp8linear import quantize_activation
-from moe_cases import experts, topk_ids
+from moe_cases import experts, layer, topk_ids
 from fp8linear.moe import fused_moe, moe_reference
 
 
@@ -56,19 +56,14 @@ def test_slots_of_experts_held_elsewhere_are_skipped(fn):
     # sum over the other slots (weights of -1 slots unread, even NaN), which the fp64
     # formulation gets from expert 0 with weight 0
     gen = torch.Generator().manual_seed(11)
-    m, e, k, h, inter = 9, 4, 3, 256, 128
-    x = R.random_matrix(m, h, gen, spread=1.0).to(torch.bfloat16)
-    w13, s13 = experts(e, 2 * inter, h, gen)
-    w2, s2 = experts(e, h, inter, gen)
-    ids = topk_ids(m, k, e, gen, "random")
-    ids[torch.rand(m, k, generator=gen) < 0.5] = -1
+    x, w13, s13, w2, s2, wts, ids = layer(gen, 9, 4, 3, 256, 128)
+    ids[torch.rand(ids.shape, generator=gen) < 0.5] = -1
     ids[0] = -1  # a token with no slot here: a zero row
-    wts = torch.softmax(torch.randn(m, k, generator=gen), dim=1)
     out = fn(x, w13, s13, w2, s2, wts.masked_fill(ids < 0, float("nan")), ids)
     as_zero = (x, w13, s13, w2, s2, wts.masked_fill(ids < 0, 0.0), ids.clamp(min=0))
     assert torch.equal(out.view(torch.int16), moe_reference(*as_zero).view(torch.int16))
     assert R.rel_err(out, _fp64_moe(*as_zero)) <= 2e-3
-    assert torch.equal(out[0], torch.zeros(h, dtype=out.dtype))
+    assert torch.equal(out[0], torch.zeros(256, dtype=out.dtype))
 
 
 def test_moe_reference_is_deterministic_and_routing_sensitive():

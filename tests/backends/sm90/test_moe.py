@@ -13,7 +13,7 @@ from fp8linear import quantize_activation
 from fp8linear.backends import dispatch
 from fp8linear.backends.sm90.moe import GroupedGemmPlan, expected_active, moe_plan
 from fp8linear.moe import fused_moe, moe_reference
-from moe_cases import experts, topk_ids
+from moe_cases import experts, layer, topk_ids
 
 MODELS = {  # experts, top_k, hidden, expert intermediate
     "qwen3_30b_a3b": (128, 8, 2048, 768), "qwen3_235b_a22b": (128, 8, 4096, 1536),
@@ -242,14 +242,10 @@ def test_slots_held_elsewhere_add_nothing(kernel):
     # nothing, their weights unread (NaN here); a token with every slot elsewhere is zero
     from fp8linear.backends.sm90 import moe as sm90_moe
     gen = torch.Generator().manual_seed(7)
-    m, e, k, h, inter = 40, 16, 4, 512, 256
-    x = R.random_matrix(m, h, gen, spread=1.0).to(torch.bfloat16)
-    w13, s13 = experts(e, 2 * inter, h, gen)
-    w2, s2 = experts(e, h, inter, gen)
-    ids = topk_ids(m, k, e, gen, "random")
-    away = torch.rand(m, k, generator=gen) < 0.5
+    x, w13, s13, w2, s2, wts, ids = layer(gen, 40, 16, 4, 512, 256)
+    away = torch.rand(ids.shape, generator=gen) < 0.5
     away[3] = True
-    ids, wts = ids.masked_fill(away, -1), torch.softmax(torch.randn(m, k, generator=gen), 1)
+    ids = ids.masked_fill(away, -1)
     xq, xs = quantize_activation(x)
     as_zero = R.moe(xq, xs, torch.bfloat16, w13, s13, w2, s2, wts.masked_fill(away, 0.0),
                     ids.clamp(min=0))
@@ -258,7 +254,7 @@ def test_slots_held_elsewhere_add_nothing(kernel):
     with sm90_moe.forced(prefill=kernel == "prefill", slot_tiles=kernel == "slot_tiles"):
         out = fused_moe(*args)
         again = fused_moe(*args)
-    assert torch.isfinite(out).all() and torch.equal(out[3].cpu(), torch.zeros(h).bfloat16())
+    assert torch.isfinite(out).all() and torch.equal(out[3].cpu(), torch.zeros(512).bfloat16())
     assert R.rel_err(out.cpu(), as_zero) <= 1e-2
     assert R.rel_err(out, moe_reference(*args)) <= 1e-2
     assert torch.equal(out.view(torch.int16), again.view(torch.int16))
@@ -270,17 +266,12 @@ def test_prefill_tile_order_leaves_the_output_bitwise(group_m):
     # each 128x128 tile is one CTA's whole K, whatever order the CTAs walk the tiles in
     from fp8linear.backends.sm90 import moe as sm90_moe
     gen = torch.Generator().manual_seed(group_m)
-    m, e, k, h, inter = 700, 8, 2, 512, 384
-    x = R.random_matrix(m, h, gen, spread=1.0).to(torch.bfloat16).cuda()
-    w13, s13 = (t.cuda() for t in experts(e, 2 * inter, h, gen))
-    w2, s2 = (t.cuda() for t in experts(e, h, inter, gen))
-    ids = topk_ids(m, k, e, gen, "random").cuda()
-    wts = torch.softmax(torch.randn(m, k, generator=gen), 1).cuda()
+    args = [t.cuda() for t in layer(gen, 700, 8, 2, 512, 384)]
     with sm90_moe.forced(prefill=True, group_m=1):
-        want = fused_moe(x, w13, s13, w2, s2, wts, ids)
+        want = fused_moe(*args)
     _poison_cache()
     with sm90_moe.forced(prefill=True, group_m=group_m):
-        got = fused_moe(x, w13, s13, w2, s2, wts, ids)
+        got = fused_moe(*args)
     assert torch.isfinite(got).all()
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
@@ -295,12 +286,8 @@ def test_fused_moe_under_a_cuda_graph_follows_new_routing(kernel):
 
 def _graph_follows_routing():
     gen = torch.Generator().manual_seed(3)
-    m, e, k, h, inter = 4, 32, 4, 256, 256
-    x = R.random_matrix(m, h, gen, spread=1.0).to(torch.bfloat16).cuda()
-    w13, s13 = (t.cuda() for t in experts(e, 2 * inter, h, gen))
-    w2, s2 = (t.cuda() for t in experts(e, h, inter, gen))
-    ids = topk_ids(m, k, e, gen, "random").cuda()
-    wts = torch.softmax(torch.randn(m, k, generator=gen), 1).cuda()
+    m, e, k = 4, 32, 4
+    x, w13, s13, w2, s2, wts, ids = (t.cuda() for t in layer(gen, m, e, k, 256, 256))
     fused_moe(x, w13, s13, w2, s2, wts, ids)  # warm-up (plans, library load)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
