@@ -13,9 +13,15 @@ Hypothesis profiles (HYPOTHESIS_PROFILE):
 """
 import os
 import random
+import sys
 
 import pytest
 import torch
+
+# benchmarks/ (scripts, not a package) importable by the tests of its scripts
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+if BENCHMARKS not in sys.path:
+    sys.path.insert(0, BENCHMARKS)
 
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "fp8linear")
 try:  # a dev extra: a GPU machine with only pytest still runs the GPU tests

@@ -3,18 +3,12 @@ backend) and benchmarks/neighbour.py's argument checks."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 import torch
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-if BENCH not in sys.path:
-    sys.path.insert(0, BENCH)
-
-import bench_gemm  # noqa: E402
-import neighbour  # noqa: E402
+import bench_gemm
+import neighbour
 
 
 def test_decode_dry_run_times_each_neighbour_mode(tmp_path):

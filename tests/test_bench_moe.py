@@ -3,16 +3,9 @@ the faster vLLM method of the point; the DeepGEMM anchor has rows only where vLL
 the plan pieces its exploration methods force."""
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-if BENCH not in sys.path:
-    sys.path.insert(0, BENCH)
-
-import bench_moe  # noqa: E402
+import bench_moe
 
 
 def _row(method, m, us, floor=50.0):
@@ -43,6 +36,6 @@ def test_exploration_methods_force_the_plan_pieces_they_name():
     assert bench_moe.forced_pieces("g8") == {"group_m": 8}
     with pytest.raises(ValueError, match=r"^unknown forced piece 'fast'$"):
         bench_moe.forced_pieces("fast")
-    for piece in ("t64", "nopdl", "prefill", "slots", "sorted"):  # each one forced() takes
+    for piece in ("t64", "nopdl", "prefill", "slots", "sorted", "g8"):  # each one forced() takes
         with sm90_moe.forced(**bench_moe.forced_pieces(piece)):
             assert sm90_moe._forced

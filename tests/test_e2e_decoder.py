@@ -4,7 +4,6 @@ variant feeds _scaled_mm the layouts cuBLASLt wants, and main() writes its JSON.
 import importlib.util
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -15,8 +14,6 @@ BENCH = os.path.join(ROOT, "benchmarks")
 
 @pytest.fixture(scope="module")
 def E():
-    if BENCH not in sys.path:
-        sys.path.insert(0, BENCH)
     spec = importlib.util.spec_from_file_location("e2e_decoder",
                                                   os.path.join(BENCH, "e2e_decoder.py"))
     mod = importlib.util.module_from_spec(spec)

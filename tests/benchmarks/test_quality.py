@@ -6,20 +6,15 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from collections import namedtuple
 from pathlib import Path
 
 import pytest
 import torch
 
+import quality
+
 REPO = Path(__file__).resolve().parents[2]
-BENCH = str(REPO / "benchmarks")
-if BENCH not in sys.path:
-    sys.path.insert(0, BENCH)
-
-import quality  # noqa: E402
-
 RESULT = REPO / "benchmarks" / "results" / "2026-11-27_quality_smollm2_cpu.json"
 
 
