@@ -167,16 +167,14 @@ std::string dispatch_config(const GemmArgs& g, cudaStream_t stream) {
 template <int I>
 std::string prefill_types(const GemmArgs& g, cudaStream_t stream) {
   constexpr Config c = kConfigs[I];
-  static_assert(c.bm == 128 && (c.cluster == 1 || c.share_a) && !c.queue_next &&
-                    !c.split_tail,
-                "the grouped kernel runs CTAs of 128 token rows, pairs sharing them");
-  constexpr int bn = c.bn, st = c.stages, cl = c.cluster;
-  constexpr bool sa = c.share_a;
+  static_assert(c.bm == 128 && c.cluster == 1 && !c.share_a && !c.queue_next && !c.split_tail,
+                "the grouped kernel runs single CTAs of 128 token rows");
+  constexpr int bn = c.bn, st = c.stages;
   if (g.out_dtype == kOutBF16)
-    return launch<128, bn, st, cl, sa, false, false, false, false, __nv_bfloat16, true>(
+    return launch<128, bn, st, 1, false, false, false, false, false, __nv_bfloat16, true>(
         g, stream);
   if (g.out_dtype == kOutFP16)
-    return launch<128, bn, st, cl, sa, false, false, false, false, __half, true>(g, stream);
+    return launch<128, bn, st, 1, false, false, false, false, false, __half, true>(g, stream);
   return "outputs are bf16 or fp16";
 }
 

@@ -183,9 +183,9 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
   static_assert(!kQueueNext || (BM == 128 && BN <= 128), "queued K blocks: 64 registers a partial");
   static_assert(!kSplitTail || (BM == 128 && CLUSTER == 1 && !kQueueNext),
                 "split tail: single CTAs, one 64-row wave a warpgroup, one partial");
-  static_assert(!kGrouped || (BM == 128 && (BN == 128 || BN == 192) &&
-                              (CLUSTER == 1 || kShareA) && !kPerRowB && !kSplitTail && !kLean),
-                "grouped: 128x128 or 128x192 tiles, pairs sharing the M block, block scales");
+  static_assert(!kGrouped || (BM == 128 && (BN == 128 || BN == 192) && CLUSTER == 1 &&
+                              !kPerRowB && !kSplitTail && !kLean),
+                "grouped: single CTAs of 128x128 or 128x192 tiles, block scales");
   // 128x128 weight-scale blocks: a BN-column tile lies in one block when BN divides 128,
   // else (BN = 48, 96, 160, 192) it can straddle two; the boundary falls on a 32-column
   // multiple (64 for BN = 192; 16 or 32 for BN = 48).
@@ -226,7 +226,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
   const int rank = CLUSTER > 1 ? int(cluster_ctarank()) : 0;                      \
   const int first_unit = blockIdx.x / CLUSTER;                                    \
   const int unit_stride = gridDim.x / CLUSTER;                                    \
-  /* kGrouped: unit u's expert (its M block: single CTAs or pairs sharing A), -1: skipped */ \
+  /* kGrouped: unit u's expert (M block = unit, with single CTAs), -1: skipped */  \
   [[maybe_unused]] auto unit_expert = [&](int u) {                                \
     int um, un;                                                                   \
     tile_coords(u, num_um, num_un, p.group_m, um, un);                            \

@@ -159,9 +159,8 @@ def prefill_config(m_blocks: float, n: int, sms: int) -> int:
     of an ``n``-column GEMM: the fewest waves x tile time, as the dense rule (plan.py
     waves-x-area) counts them; ties keep the first (128x128)."""
     def cost(config: int) -> float:
-        t = GEMM_TILES[config]  # (pairs share the M block: whole pairs along N)
-        tiles = m_blocks * cdiv(cdiv(n, t.bn), t.cluster) * t.cluster
-        waves = math.ceil(tiles / (sms // t.cluster * t.cluster) - 1e-9)
+        t = GEMM_TILES[config]
+        waves = math.ceil(m_blocks * cdiv(n, t.bn) / sms - 1e-9)
         return waves * t.bm * t.bn * TILE_COST.get((t.bm, t.bn), 1.0)
     return min(MOE_PREFILL_CONFIGS, key=cost)
 

@@ -30,7 +30,6 @@ environment.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import time
@@ -44,9 +43,8 @@ if ROOT not in sys.path:
 
 import fp8linear  # noqa: E402
 from fp8linear import knobs  # noqa: E402
-from fp8linear.backends.sm90 import moe as sm90_moe  # noqa: E402
 from fp8linear.backends.sm90 import plan as sm90_plan  # noqa: E402
-from fp8linear.backends.sm90.tiles import GEMM_TILES, MOE_PREFILL_CONFIGS  # noqa: E402
+from fp8linear.backends.sm90.tiles import GEMM_TILES  # noqa: E402
 
 # (M, N, K, per_row, out dtype, bias)
 CASES = [
@@ -65,11 +63,10 @@ MOE_CASES = [
     (5, 16, 4, 208, 256, torch.float16),
     (40, 4, 2, 384, 128, torch.bfloat16),
     (1, 8, 2, 256, 128, torch.bfloat16),     # slot tiles
-    (300, 8, 2, 256, 128, torch.bfloat16),   # >= 32 tokens an expert: the prefill kernel
+    (300, 8, 2, 256, 128, torch.bfloat16),   # >= 48 tokens an expert: the prefill kernel
     (100, 8, 2, 256, 128, torch.bfloat16),   # 200 slots: the one-program routing
     (200, 8, 2, 256, 256, torch.bfloat16),   # prefill again (--quick takes the even indices)
 ]
-PREFILL_MOE_CASES = [4, 6]  # the cases the rules give the prefill kernel
 QUICK = [0, 2, 5, 6, 7]   # racecheck is slow on warp-specialized kernels: fewer cases
 # decode plans forced for the decode cases under --configs all (plan.forced pieces)
 DECODE_PLANS = [
@@ -196,26 +193,16 @@ def main(argv=None) -> int:
                       f"{str(dtype).split('.')[-1]} bias={with_bias} "
                       f"plan={plan_of(m, n, k) if a.device == 'cuda' else '-'} "
                       f"{time.time() - t:.1f}s {status}", flush=True)
-    # the MoE cases as the rules plan them; under --configs all the prefill cases again on
-    # each other tile of the prefill kernel
-    moe_forced = [({}, range(len(MOE_CASES)))]
-    if a.configs == "all":
-        moe_forced += [({"prefill": True, "prefill_configs": (c, c)}, PREFILL_MOE_CASES)
-                       for c in MOE_PREFILL_CONFIGS[1:]]
-    for pieces, cases in moe_forced:
-        if pieces:
-            print("forced: " + ",".join(f"{k}={v}" for k, v in pieces.items()), flush=True)
-        with sm90_moe.forced(**pieces) if pieces else contextlib.nullcontext():
-            for i in cases:
-                if a.quick and i % 2:
-                    continue
-                t = time.time()
-                errs = run_moe_case(i, *MOE_CASES[i], dev=a.device)
-                fails += bool(errs)
-                m, e, top_k, h, inter, dtype = MOE_CASES[i]
-                print(f"moe case {i}: M={m} E={e} top_k={top_k} H={h} I={inter} "
-                      f"{str(dtype).split('.')[-1]} {time.time() - t:.1f}s "
-                      f"{'ok' if not errs else 'FAIL ' + '; '.join(errs)}", flush=True)
+    for i, case in enumerate(MOE_CASES):
+        if a.quick and i % 2:
+            continue
+        t = time.time()
+        errs = run_moe_case(i, *case, dev=a.device)
+        fails += bool(errs)
+        m, e, top_k, h, inter, dtype = case
+        print(f"moe case {i}: M={m} E={e} top_k={top_k} H={h} I={inter} "
+              f"{str(dtype).split('.')[-1]} {time.time() - t:.1f}s "
+              f"{'ok' if not errs else 'FAIL ' + '; '.join(errs)}", flush=True)
     print(f"sanitize_gemm: {'ALL OK' if not fails else f'{fails} FAILED'} "
           f"({time.time() - t0:.1f}s)", flush=True)
     return 1 if fails else 0

@@ -13,9 +13,8 @@ import torch
 import fp64_reference as ref
 import fp8linear
 from fp8linear import knobs
-from fp8linear.backends.sm90 import moe as sm90_moe
 from fp8linear.backends.sm90 import plan
-from fp8linear.backends.sm90.tiles import GEMM_TILES, MOE_PREFILL_CONFIGS
+from fp8linear.backends.sm90.tiles import GEMM_TILES
 
 from . import sanitize_gemm as S
 
@@ -84,20 +83,9 @@ def test_sanitize_script_dry_run_forces_every_plan(script_env, capsys, monkeypat
         seen.append((i, plan.current()))
         return []
 
-    moe_seen = []
-
-    def run_moe_case(i, *case, dev="cuda"):
-        moe_seen.append((i, dict(sm90_moe._forced)))
-        return []
-
     monkeypatch.setattr(S, "run_case", run_case)
-    monkeypatch.setattr(S, "run_moe_case", run_moe_case)
     assert S.main(["--device", "cpu", "--configs", "all"]) == 0
-    assert plan.current() == plan.NONE and sm90_moe._forced == {}  # nothing stays forced
-    # the MoE cases as planned, then the prefill ones on each other prefill tile
-    assert moe_seen == [(i, {}) for i in range(len(S.MOE_CASES))] + [
-        (i, {"prefill": True, "slot_tiles": False, "prefill_configs": (c, c)})
-        for c in MOE_PREFILL_CONFIGS[1:] for i in S.PREFILL_MOE_CASES]
+    assert plan.current() == plan.NONE     # nothing stays forced after the script
     cases = list(range(len(S.CASES)))
     decode = [i for i, c in enumerate(S.CASES) if c[0] <= plan.DECODE_MAX_M]
     assert 0 < len(decode) < len(cases)
@@ -107,7 +95,7 @@ def test_sanitize_script_dry_run_forces_every_plan(script_env, capsys, monkeypat
     assert seen == want
     out = capsys.readouterr().out
     blocks = out.split("forced: ")
-    assert len(blocks) == 1 + len(GEMM_TILES) + len(S.DECODE_PLANS) + len(MOE_PREFILL_CONFIGS) - 1
+    assert len(blocks) == 1 + len(GEMM_TILES) + len(S.DECODE_PLANS)
     for c, block in enumerate(blocks[1:1 + len(GEMM_TILES)]):
         assert block.startswith(f"gemm_config={c}\n")
     for pieces, block in zip(S.DECODE_PLANS, blocks[1 + len(GEMM_TILES):]):
