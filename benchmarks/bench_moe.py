@@ -71,9 +71,6 @@ def parse_args(argv=None):
     p.add_argument("--explore-group-m", default="",
                    help="e.g. 1,8: also fp8linear_moe@g<band> (the prefill kernel's tile order "
                         "band forced) at M >= 256")
-    p.add_argument("--explore-prefill-configs", default="",
-                   help="e.g. 0.0,3.3: also fp8linear_moe@c<gate_up>.<down> (the prefill kernel "
-                        "forced on with those GEMM tiles) at M >= 128")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -169,7 +166,7 @@ def make_call(method, x, w13, s13, w2, s2, routes, deepgemm=None):
 
 def forced_pieces(piece: str) -> dict:
     """The plan pieces an exploration method forces (backends/sm90/moe.py ``forced``):
-    t<tile>, nopdl, prefill / decode, slots / sorted, g<band>, c<gate_up config>.<down>."""
+    t<tile>, nopdl, prefill / decode, slots / sorted, g<band>."""
     if piece == "nopdl":
         return {"pdl": False}
     if piece in ("prefill", "decode"):
@@ -180,9 +177,6 @@ def forced_pieces(piece: str) -> dict:
         return {"token_tile": int(piece[1:])}
     if piece.startswith("g") and piece[1:].isdigit():
         return {"group_m": int(piece[1:])}
-    configs = piece[1:].split(".")
-    if piece.startswith("c") and len(configs) == 2 and all(c.isdigit() for c in configs):
-        return {"prefill": True, "prefill_configs": tuple(map(int, configs))}
     raise ValueError(f"unknown forced piece {piece!r}")
 
 
@@ -243,8 +237,7 @@ def main(argv=None) -> int:
                 ["fp8linear_moe@slots", "fp8linear_moe@sorted"]
                 if args.explore_slots and m <= 8 else []) + [
                 f"fp8linear_moe@g{g}" for g in args.explore_group_m.split(",") if g and
-                m >= 256] + [f"fp8linear_moe@c{c}" for c in
-                             args.explore_prefill_configs.split(",") if c and m >= 128]
+                m >= 256]
             here = [n for n in methods if n != "vllm_deepgemm_moe" or deepgemm.takes(x)]
             for meth in here + extra:
                 call = make_call(meth, x, w13, s13, w2, s2, routes, deepgemm)

@@ -163,40 +163,30 @@ std::string dispatch_config(const GemmArgs& g, cudaStream_t stream) {
   }
 }
 
-// The grouped prefill GEMM on config I (an FP8L_MOE_PREFILL_TILE row)
-template <int I>
-std::string prefill_types(const GemmArgs& g, cudaStream_t stream) {
-  constexpr Config c = kConfigs[I];
-  static_assert(c.bm == 128 && c.cluster == 1 && !c.share_a && !c.queue_next && !c.split_tail,
-                "the grouped kernel runs single CTAs of 128 token rows");
-  constexpr int bn = c.bn, st = c.stages;
-  if (g.out_dtype == kOutBF16)
-    return launch<128, bn, st, 1, false, false, false, false, false, __nv_bfloat16, true>(
-        g, stream);
-  if (g.out_dtype == kOutFP16)
-    return launch<128, bn, st, 1, false, false, false, false, false, __half, true>(g, stream);
-  return "outputs are bf16 or fp16";
-}
-
 }  // namespace
 
-// The prefill expert GEMM of a mixture-of-experts layer (gemm_kernel.cuh: kGrouped) on one of
-// the FP8L_MOE_PREFILL_TILE configurations: fp8 a sorted by expert in M blocks of 128 rows,
-// each block's expert in tile_expert, w [experts, N, K] with 128x128 scales. A tile wider than
-// 128 columns may pass an expert's last row: it reads the next expert's rows (or TMA's zeros
-// past the last), scales them by 0 and stores no column past N.
+// The prefill expert GEMM of a mixture-of-experts layer (gemm_kernel.cuh: kGrouped) on the
+// tile of configuration kMoePrefillConfig: fp8 a sorted by expert in M blocks of 128 rows,
+// each block's expert in tile_expert, w [experts, N, K] with 128x128 scales.
 std::string launch_moe_prefill(const GemmArgs& g, cudaStream_t stream) {
+  constexpr Config c = kConfigs[kMoePrefillConfig];
+  static_assert(c.bm == 128 && c.bn == 128 && c.cluster == 1 && !c.share_a && !c.queue_next &&
+                    !c.split_tail,
+                "the grouped kernel runs single 128x128 CTAs");
   if (g.M <= 0 || g.N <= 0 || g.K <= 0 || g.experts <= 0) return "empty problem";
   if (g.tile_expert == nullptr) return "grouped GEMMs need tile_expert";
   if (g.a_scale_t == nullptr) return "grouped GEMMs take fp8 activations (sorted by expert)";
-  if (g.M % 128 != 0) return "M must be whole 128-row token tiles";
-  if (g.N % 128 != 0 || g.K % 16 != 0) return "N must be a multiple of 128 and K of 16";
+  if (g.M % c.bm != 0) return "M must be whole 128-row token tiles";
+  if (g.N % c.bn != 0 || g.K % 16 != 0) return "N must be a multiple of 128 and K of 16";
   if (g.a_scale_ld % 4 != 0 || g.a_scale_ld < g.M) return "a_scale_ld must be >= M and % 4";
   if (g.w_scale_per_row || g.bias != nullptr) return "grouped GEMMs take block scales, no bias";
-#define FP8L_MOE_PREFILL_TILE(id) \
-  if (g.config == id) return prefill_types<id>(g, stream);
-#include "sm90/tables.def"
-  return "the prefill kernel does not run gemm config " + std::to_string(g.config);
+  constexpr int st = c.stages;
+  if (g.out_dtype == kOutBF16)
+    return launch<128, 128, st, 1, false, false, false, false, false, __nv_bfloat16, true>(
+        g, stream);
+  if (g.out_dtype == kOutFP16)
+    return launch<128, 128, st, 1, false, false, false, false, false, __half, true>(g, stream);
+  return "outputs are bf16 or fp16";
 }
 
 std::string launch_gemm(const GemmArgs& g, cudaStream_t stream) {

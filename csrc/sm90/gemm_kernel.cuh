@@ -158,7 +158,7 @@ struct SplitTail {
 // for the math warpgroup: 59K of the SM's 64K) it waits for them to leave the SM
 // (docs/tuning.md: gemm-lean).
 // kQueueNext: two math warpgroups keep two partial accumulators as one does (below).
-// kGrouped (the prefill expert GEMM of a mixture-of-experts layer, sm90/gemm.cu): A holds the
+// kGrouped (the prefill expert GEMM of a mixture-of-experts layer, sm90/moe.cu): A holds the
 // tokens sorted by expert in M blocks of BM rows, B [experts * N, K] every expert's weights;
 // M block mb multiplies expert tile_expert[mb]'s N rows, blocks of -1 are skipped by every
 // role alike.
@@ -183,9 +183,9 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
   static_assert(!kQueueNext || (BM == 128 && BN <= 128), "queued K blocks: 64 registers a partial");
   static_assert(!kSplitTail || (BM == 128 && CLUSTER == 1 && !kQueueNext),
                 "split tail: single CTAs, one 64-row wave a warpgroup, one partial");
-  static_assert(!kGrouped || (BM == 128 && (BN == 128 || BN == 192) && CLUSTER == 1 &&
-                              !kPerRowB && !kSplitTail && !kLean),
-                "grouped: single CTAs of 128x128 or 128x192 tiles, block scales");
+  static_assert(!kGrouped || (BM == 128 && BN == 128 && CLUSTER == 1 && !kPerRowB &&
+                              !kSplitTail && !kLean),
+                "grouped: single CTAs of 128x128 tiles, block scales");
   // 128x128 weight-scale blocks: a BN-column tile lies in one block when BN divides 128,
   // else (BN = 48, 96, 160, 192) it can straddle two; the boundary falls on a 32-column
   // multiple (64 for BN = 192; 16 or 32 for BN = 48).

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from . import build
-from .tiles import ABI_VERSION, DTYPE_CODES, ENTRY_ARGS
+from .tiles import ABI_VERSION, DTYPE_CODES, ENTRY_ARGS, MOE_PREFILL_CONFIG
 
 _ENTRIES = ("quant", "gemm", "decode")  # fp8l_arg_size's numbering
 _KIND = {"ptr": "P", "i64": "q", "i32": "i"}
@@ -95,18 +95,17 @@ class Library:
             bias is not None and bias.dtype == torch.float32, _OUT[out.dtype], a.shape[0],
             w.shape[0], w.shape[1], config, pdl, quant_pdl, early_b, group_m, 1, dev)))
 
-    def grouped_prefill(self, a, a_scale, w, w_scale, out, tile_expert, config, group_m,
-                        pdl) -> None:
+    def grouped_prefill(self, a, a_scale, w, w_scale, out, tile_expert, group_m, pdl) -> None:
         # the grouped expert GEMM for many tokens an expert (backends/sm90/moe.py): fp8 a
         # sorted by expert in 128-row tiles, a_scale (m, kb) a view of token-minor
         # [kb, ld] scales, tile_expert int32 [m / 128], w [E, n, k], 128x128 w_scale [E, ...];
-        # config: a tiles.MOE_PREFILL_CONFIGS tile; group_m: the tile order's band of M blocks
+        # group_m: the tile order's band of M blocks
         dev = a.device.index
         _check(self._gemm(_GEMM.pack(
             a.data_ptr(), a_scale.data_ptr(), w.data_ptr(), w_scale.data_ptr(), 0,
             out.data_ptr(), _stream(dev), tile_expert.data_ptr(), 0, 0, _IN[a.dtype],
             a_scale.stride(1), False, False, _OUT[out.dtype], a.shape[0], w.shape[1],
-            w.shape[2], config, pdl, False, 0, group_m, w.shape[0], dev)))
+            w.shape[2], MOE_PREFILL_CONFIG, pdl, False, 0, group_m, w.shape[0], dev)))
 
     def decode(self, x, x_scale, w, w_scale, per_row, bias, out, ws_floats, tiles, config, rows,
                splits, ctas_per_sm, pdl, early_trigger, quant_first) -> None:

@@ -27,14 +27,11 @@ from ...quant import BLOCK, cdiv
 from ..triton import moe as triton_moe
 from . import library
 from .plan import DECODE_TWO_PER_SM_MAX_BT as TWO_PER_SM_MAX_BT
-from .plan import TILE_COST
-from .tiles import DECODE_TILES, GEMM_TILES, MOE_PREFILL_CONFIGS
+from .tiles import DECODE_TILES, GEMM_TILES, MOE_PREFILL_CONFIG
 
 ROWS = 128  # weight rows a CTA owns (moe.cu instantiates 128-row CTAs only)
-# the prefill kernel's default tile: its token tile (every prefill tile's) and the column
-# multiple the kernel needs
-PREFILL_TILE = GEMM_TILES[MOE_PREFILL_CONFIGS[0]].bm
-PREFILL_TILE_N = GEMM_TILES[MOE_PREFILL_CONFIGS[0]].bn
+# the prefill kernel's tile: its token tile and the output columns a tile covers
+PREFILL_TILE, PREFILL_TILE_N = GEMM_TILES[MOE_PREFILL_CONFIG].bm, GEMM_TILES[MOE_PREFILL_CONFIG].bn
 TILE_2X_MIN_HIDDEN = 4096
 TILE_2X_MIN_TOKENS = 16
 PREFILL_MIN_TOKENS = 32
@@ -51,7 +48,6 @@ class GroupedGemmPlan:
     splits: int       # K ranges, reduced in split order (deterministic); 1 for the prefill kernel
     ctas_per_sm: int  # 1, or 2 (token tiles <= 32)
     group_m: int = 1  # the prefill kernel's tile order: M blocks a band walks per N block
-    config: int = MOE_PREFILL_CONFIGS[0]  # the prefill kernel's tile (a GEMM_TILES index)
 
 
 @dataclass(frozen=True)
@@ -123,7 +119,7 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
 
     def gemm(n: int, k: int) -> GroupedGemmPlan:
         if prefill:  # (the persistent kernel walks whole K: nothing to split)
-            return GroupedGemmPlan(1, 1, band, prefill_config(tiles, n, sms))
+            return GroupedGemmPlan(1, 1, band)
         # moe-split-fill: split K until the expected CTAs fill the SMs' slots in one wave,
         # keeping >= 2 K blocks a split (the reduction pass costs more below that)
         num_kb = cdiv(k, BLOCK)
@@ -146,23 +142,9 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
     # launches (count, scan, place) instead of the one-program route, whose serial walk over
     # the slots grows with them (measured crossover 128-512)
     parallel = slots >= PARALLEL_ROUTE_MIN_SLOTS
-    gate_up, down = gemm(2 * inter, hidden), gemm(hidden, inter)
-    if (gate_up.config, down.config) != (MOE_PREFILL_CONFIGS[0],) * 2:
-        rule += "+moe-prefill-wide"
     rule += "+moe-pdl" if prefill else "+moe-split-fill+moe-pdl"
-    return MoePlan(config, gate_up, down, True, prefill, parallel, slot_tiles,
-                   rule + ("+moe-route-parallel" if parallel else ""))
-
-
-def prefill_config(m_blocks: float, n: int, sms: int) -> int:
-    """moe-prefill-wide: the prefill kernel's tile for ``m_blocks`` expected 128-row M blocks
-    of an ``n``-column GEMM: the fewest waves x tile time, as the dense rule (plan.py
-    waves-x-area) counts them; ties keep the first (128x128)."""
-    def cost(config: int) -> float:
-        t = GEMM_TILES[config]
-        waves = math.ceil(m_blocks * cdiv(n, t.bn) / sms - 1e-9)
-        return waves * t.bm * t.bn * TILE_COST.get((t.bm, t.bn), 1.0)
-    return min(MOE_PREFILL_CONFIGS, key=cost)
+    return MoePlan(config, gemm(2 * inter, hidden), gemm(hidden, inter), True, prefill,
+                   parallel, slot_tiles, rule + ("+moe-route-parallel" if parallel else ""))
 
 
 def prefill_takes(hidden: int, inter: int) -> bool:
@@ -176,11 +158,10 @@ _forced: dict = {}
 @contextlib.contextmanager
 def forced(token_tile: int | None = None, splits: int | None = None, pdl: bool | None = None,
            prefill: bool | None = None, slot_tiles: bool | None = None,
-           group_m: int | None = None, prefill_configs: tuple[int, int] | None = None):
+           group_m: int | None = None):
     """Overrides the rules' token tile, both GEMMs' K splits, PDL, the prefill kernel (which
     takes 128-token tiles only), the slot tiles (8-token tiles, not with the prefill
-    kernel), the prefill kernel's tile order band and its tiles (GEMM_TILES indices of
-    gate_up, down) (benchmarks, tests)."""
+    kernel) and the prefill kernel's tile order band (benchmarks, tests)."""
     if token_tile is not None and token_tile not in DECODE_TILES:
         raise ValueError(f"token_tile must be one of {DECODE_TILES}, got {token_tile}")
     if slot_tiles and (prefill or token_tile not in (None, DECODE_TILES[0])):
@@ -190,10 +171,6 @@ def forced(token_tile: int | None = None, splits: int | None = None, pdl: bool |
         raise ValueError(f"splits must be >= 1, got {splits}")
     if group_m is not None and group_m < 1:
         raise ValueError(f"group_m must be >= 1, got {group_m}")
-    if prefill_configs is not None and (
-            len(prefill_configs) != 2 or not set(prefill_configs) <= set(MOE_PREFILL_CONFIGS)):
-        raise ValueError(f"prefill_configs must be two of {MOE_PREFILL_CONFIGS} (gate_up, "
-                         f"down), got {prefill_configs}")
     if prefill and token_tile not in (None, PREFILL_TILE):
         raise ValueError(f"the prefill kernel takes {PREFILL_TILE}-token tiles, got {token_tile}")
     if slot_tiles is None and (prefill or token_tile is not None):
@@ -201,8 +178,7 @@ def forced(token_tile: int | None = None, splits: int | None = None, pdl: bool |
     old = dict(_forced)
     _forced.update({k: v for k, v in (("token_tile", token_tile), ("splits", splits),
                                       ("pdl", pdl), ("prefill", prefill),
-                                      ("slot_tiles", slot_tiles), ("group_m", group_m),
-                                      ("prefill_configs", prefill_configs))
+                                      ("slot_tiles", slot_tiles), ("group_m", group_m))
                    if v is not None})
     try:
         yield
@@ -223,12 +199,11 @@ def _apply_forced(plan: MoePlan, hidden: int, inter: int) -> MoePlan:
         config = DECODE_TILES.index(PREFILL_TILE)
     bt = DECODE_TILES[config]
 
-    def g(old: GroupedGemmPlan, k: int, which: int) -> GroupedGemmPlan:
+    def g(old: GroupedGemmPlan, k: int) -> GroupedGemmPlan:
         splits = min(_forced.get("splits", old.splits), cdiv(k, BLOCK))
         group_m = _forced.get("group_m", old.group_m)
-        tile = _forced["prefill_configs"][which] if "prefill_configs" in _forced else old.config
-        return GroupedGemmPlan(splits, 2 if bt <= TWO_PER_SM_MAX_BT else 1, group_m, tile)
-    return MoePlan(config, g(plan.gate_up, hidden, 0), g(plan.down, inter, 1),
+        return GroupedGemmPlan(splits, 2 if bt <= TWO_PER_SM_MAX_BT else 1, group_m)
+    return MoePlan(config, g(plan.gate_up, hidden), g(plan.down, inter),
                    _forced.get("pdl", plan.pdl), prefill, plan.parallel_route, plan.slot_tiles,
                    "forced")
 
@@ -244,7 +219,7 @@ def _grouped_gemm(plan: MoePlan):
         def prefill(a, a_scale, w, w_scale, r: Routing, out, which: int):
             g = plan.gate_up if which == 0 else plan.down
             library.load().grouped_prefill(a, a_scale, w, w_scale, out, r.tile_expert,
-                                           g.config, g.group_m, plan.pdl)
+                                           g.group_m, plan.pdl)
         return prefill
 
     def run(a, a_scale, w, w_scale, r: Routing, out, which: int):

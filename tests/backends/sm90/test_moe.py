@@ -4,7 +4,6 @@ dequantized math, NaN-poisoned scratch, run to run, and under a CUDA graph."""
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import pytest
 import torch
@@ -12,9 +11,7 @@ import torch
 import fp64_reference as R
 from fp8linear import quantize_activation
 from fp8linear.backends import dispatch
-from fp8linear.backends.sm90.moe import (GroupedGemmPlan, expected_active, moe_plan,
-                                         prefill_config)
-from fp8linear.backends.sm90.tiles import GEMM_TILES, MOE_PREFILL_CONFIGS
+from fp8linear.backends.sm90.moe import GroupedGemmPlan, expected_active, moe_plan
 from fp8linear.moe import fused_moe, moe_reference
 from moe_cases import experts, layer, topk_ids
 
@@ -158,14 +155,10 @@ def test_slot_tiles_match_fp64(m, e, top_k, h, inter, routing, dtype, ids_dtype,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("configs", [(0, 0), (3, 3), (3, 0)])
 @pytest.mark.parametrize("m,e,top_k,h,inter,routing,dtype", PREFILL_CASES)
-def test_prefill_kernel_matches_fp64(m, e, top_k, h, inter, routing, dtype, configs,
-                                     monkeypatch):
-    # each prefill tile; 128x192 tiles past an expert's last row (N of 256, 512, 1024) read
-    # the next expert's rows, or past the last expert TMA's zeros, and store none of them
+def test_prefill_kernel_matches_fp64(m, e, top_k, h, inter, routing, dtype, monkeypatch):
     from fp8linear.backends.sm90 import moe as sm90_moe
-    with sm90_moe.forced(prefill=True, prefill_configs=configs):
+    with sm90_moe.forced(prefill=True):
         _check_case(m, e, top_k, h, inter, routing, dtype, monkeypatch, prefill=True)
 
 
@@ -330,11 +323,6 @@ def test_forced_pieces_are_checked_and_restored():
     with pytest.raises(ValueError, match=r"^group_m must be >= 1, got 0$"):
         with sm90_moe.forced(group_m=0):
             pass
-    for bad in ((3,), (0, 5)):
-        with pytest.raises(ValueError, match=rf"^prefill_configs must be two of \(0, 3\) "
-                                             rf"\(gate_up, down\), got {re.escape(str(bad))}$"):
-            with sm90_moe.forced(prefill_configs=bad):
-                pass
     with sm90_moe.forced(prefill=True):
         plan = sm90_moe._apply_forced(moe_plan(2, 8, 128, 2048, 768, 132), 2048, 768)
         assert (plan.prefill, plan.token_tile) == (True, 128)
@@ -342,10 +330,6 @@ def test_forced_pieces_are_checked_and_restored():
         with sm90_moe.forced(group_m=5):
             plan = sm90_moe._apply_forced(moe_plan(2, 8, 128, 2048, 768, 132), 2048, 768)
             assert (plan.gate_up.group_m, plan.down.group_m) == (5, 5)
-        assert (plan.gate_up.config, plan.down.config) == (0, 0)  # (the decode plan's)
-        with sm90_moe.forced(prefill_configs=(3, 0)):
-            plan = sm90_moe._apply_forced(moe_plan(2, 8, 128, 2048, 768, 132), 2048, 768)
-            assert (plan.gate_up.config, plan.down.config) == (3, 0)
         with pytest.raises(ValueError, match=r"^the prefill kernel needs hidden and 2 \* "
                                              r"intermediate multiples of 128, got 2080, 768$"):
             sm90_moe._apply_forced(moe_plan(1, 8, 128, 2080, 768, 132), 2080, 768)
@@ -363,7 +347,7 @@ def test_prefill_kernel_from_32_tokens_an_expert_24_if_wide(model, m, prefill):
     assert plan.prefill == prefill and ("moe-prefill" in plan.rule) == prefill
     assert plan.token_tile == 128 or not prefill
     if prefill:  # no K splits: the persistent kernel walks whole K
-        assert (plan.gate_up.splits, plan.down.splits, plan.gate_up.ctas_per_sm) == (1, 1, 1)
+        assert plan.gate_up == plan.down == GroupedGemmPlan(1, 1)
     # hidden sizes off the 128 grid keep the decode kernel
     assert not moe_plan(m, k, e, h + 16, inter, 132).prefill
 
@@ -375,32 +359,8 @@ def test_prefill_kernel_from_32_tokens_an_expert_24_if_wide(model, m, prefill):
 def test_prefill_bands_for_experts_past_the_l2_with_two_tiles(model, m, band):
     e, k, h, inter = MODELS[model]
     plan = moe_plan(m, k, e, h, inter, 132)
-    assert plan.prefill and plan.gate_up.group_m == plan.down.group_m == band
+    assert plan.prefill and plan.gate_up == plan.down == GroupedGemmPlan(1, 1, band)
     assert ("moe-prefill-band" in plan.rule) == (band > 1)
-
-
-def test_prefill_tiles_are_single_ctas_of_the_token_tile():
-    # what csrc/sm90/gemm.cu launch_moe_prefill asserts, and the routing's 128-token tiles
-    assert MOE_PREFILL_CONFIGS[0] == 0 and len(set(MOE_PREFILL_CONFIGS)) > 1
-    for c in MOE_PREFILL_CONFIGS:
-        t = GEMM_TILES[c]
-        assert (t.bm, t.cluster, t.share_a, t.queue_next, t.split_tail) == (
-            128, 1, False, False, False)
-        assert t.bn in (128, 192)
-
-
-@pytest.mark.parametrize("model, m, gate_up, down", [
-    ("mixtral_8x7b", 128, 3, 0),     # 8 M blocks: down's 4096 columns in 2 waves either way
-    ("mixtral_8x7b", 4096, 3, 3),    # 72 M blocks: 28672 / 4096 columns, many waves
-    ("qwen3_30b_a3b", 512, 3, 3),    # 1536 columns: 8 tiles of 192 against 12 of 128
-    ("deepseek_v3", 1024, 3, 3)])
-def test_prefill_tiles_by_waves_x_area(model, m, gate_up, down):
-    e, k, h, inter = MODELS[model]
-    plan = moe_plan(m, k, e, h, inter, 132)
-    assert (plan.gate_up.config, plan.down.config) == (gate_up, down)
-    assert ("moe-prefill-wide" in plan.rule) == ((gate_up, down) != (0, 0))
-    # ties keep 128x128: one wave of either tile
-    assert prefill_config(1, 384, 132) == 0 and prefill_config(100, 128, 132) == 0
 
 
 @pytest.mark.parametrize("m, k, parallel", [(31, 8, False), (32, 8, True), (127, 2, False),
@@ -435,20 +395,18 @@ def test_grouped_entry_points_refuse_bad_arguments_before_launching():
         assert torch.isnan(out).all()  # nothing ran
 
     refused(r"moe prefill: M must be whole 128-row token tiles",
-            lambda: lib.grouped_prefill(a[:200], a_scale[:200], w, ws, out[:200], tiles, 0, 1,
+            lambda: lib.grouped_prefill(a[:200], a_scale[:200], w, ws, out[:200], tiles, 1,
                                         False))
     refused(r"moe prefill: N must be a multiple of 128",
-            lambda: lib.grouped_prefill(a, a_scale, w[:, :200], ws, out[:, :200], tiles, 0, 1,
+            lambda: lib.grouped_prefill(a, a_scale, w[:, :200], ws, out[:, :200], tiles, 1,
                                         False))
-    refused(r"moe prefill: the prefill kernel does not run gemm config 5$",
-            lambda: lib.grouped_prefill(a, a_scale, w, ws, out, tiles, 5, 1, False))
     # 16-bit activations (no scales) are not quantized for the grouped kernel: refused
     bf = torch.zeros(256, k, dtype=torch.bfloat16, device="cuda")
     refused(r"moe prefill: grouped GEMMs take fp8 activations", lambda: library._check(
         lib._gemm(library._GEMM.pack(
             bf.data_ptr(), 0, w.data_ptr(), ws.data_ptr(), 0, out.data_ptr(),
             library._stream(0), tiles.data_ptr(), 0, 0, library._IN[bf.dtype], 0, False,
-            False, library._OUT[out.dtype], 256, n, k, MOE_PREFILL_CONFIGS[0], False,
+            False, library._OUT[out.dtype], 256, n, k, library.MOE_PREFILL_CONFIG, False,
             False, 0, 1, e, 0))))
     refused(r"M must be whole token tiles",
             lambda: lib.grouped(a[:100], a_scale[:100], w, ws, out[:100], tiles, 0, 4, 4, 1,
