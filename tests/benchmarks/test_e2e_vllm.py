@@ -1,22 +1,12 @@
 """CPU test of benchmarks/e2e_vllm.py's --merge (no vLLM needed): engines of several runs in
 one document with recomputed targets, the later run's engine of a name winning, and the
 refusals (runs of other workloads, no --out); and of the MoE model's checkpoint stage."""
-import importlib.util
 import json
 import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def E():
-    spec = importlib.util.spec_from_file_location(
-        "e2e_vllm", os.path.join(ROOT, "benchmarks", "e2e_vllm.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+import e2e_vllm as E
 
 
 def _run(path, engines, **header):
@@ -31,7 +21,7 @@ def _run(path, engines, **header):
     return str(path)
 
 
-def test_merge_combines_runs_and_recomputes_targets(E, tmp_path, capsys):
+def test_merge_combines_runs_and_recomputes_targets(tmp_path, capsys):
     a = _run(tmp_path / "a.json", {"fp8_blockgemm": [4.0, 4.0], "fp8_cutlass": [4.6, 5.6]})
     b = _run(tmp_path / "b.json", {"fp8_deepgemm": [4.7, 4.2], "fp8_blockgemm": [3.8, 3.7]})
     out = tmp_path / "m.json"
@@ -50,7 +40,7 @@ def test_merge_combines_runs_and_recomputes_targets(E, tmp_path, capsys):
     assert "fp8_deepgemm" in capsys.readouterr().out
 
 
-def test_merge_refuses_other_workloads_and_a_missing_out(E, tmp_path, capsys):
+def test_merge_refuses_other_workloads_and_a_missing_out(tmp_path, capsys):
     a = _run(tmp_path / "a.json", {"fp8_blockgemm": [4.0, 4.0]})
     b = _run(tmp_path / "b.json", {"fp8_cutlass": [4.6, 5.6]}, compile="none")
     with pytest.raises(SystemExit, match=r"--merge: \['compile'\] differ between"):
@@ -60,7 +50,7 @@ def test_merge_refuses_other_workloads_and_a_missing_out(E, tmp_path, capsys):
     assert "--merge needs --out" in capsys.readouterr().err
 
 
-def test_moe_model_has_its_own_targets_and_prefill_target(E):
+def test_moe_model_has_its_own_targets_and_prefill_target():
     """The MoE model (issue 42): 1.25x at batch 1 and 4, 1.10x at 16 and 64, prefill 1.10x."""
     def eng(per, prefill_s):
         return {"decode": [{"batch": b, "per_token_ms": ms} for b, ms in zip((1, 4, 16, 64),
@@ -82,7 +72,7 @@ def test_moe_model_has_its_own_targets_and_prefill_target(E):
     assert t["fp8_blockgemm prefill vs best vLLM fp8 (need >= 1.10x)"] == "0.90x FAIL"
 
 
-def test_merge_of_a_moe_run_compares_with_vllm_fp8(E, tmp_path):
+def test_merge_of_a_moe_run_compares_with_vllm_fp8(tmp_path):
     """A saved MoE run (no BF16 reference: its BF16 engine runs dummy weights) keeps vLLM's
     fp8 as the log-probability reference and the MoE targets when merged."""
     n = E.LP_PROMPT_LEN - 1
@@ -101,7 +91,7 @@ def test_merge_of_a_moe_run_compares_with_vllm_fp8(E, tmp_path):
                           "1.10x at b16/b64)"] == "b1 1.20x FAIL, b4 1.10x FAIL"
 
 
-def test_merge_keeps_a_renamed_run_and_compares_prompt_logprobs_across_runs(E, tmp_path):
+def test_merge_keeps_a_renamed_run_and_compares_prompt_logprobs_across_runs(tmp_path):
     """JSON@SUFFIX keeps a run with other settings beside the same engines (its anchors
     still count for the target); batch lists may differ; an engine scored apart from bf16
     compares on the prompt's log-probabilities only."""
@@ -134,7 +124,7 @@ def test_merge_keeps_a_renamed_run_and_compares_prompt_logprobs_across_runs(E, t
     assert lp["prompt_abs_dlogprob_mean"] == pytest.approx(0.5)
 
 
-def test_merge_renames_only_the_named_engines(E, tmp_path):
+def test_merge_renames_only_the_named_engines(tmp_path):
     """JSON@SUFFIX:A,B renames A and B only: a run of BF16 and our engine at max_num_seqs 256
     keeps its bf16 as the reference while our engine sits beside the batch 1-64 run's."""
     a = _run(tmp_path / "a.json", {"fp8_blockgemm": [4.0, 4.0], "bf16": [6.5, 6.6]})
@@ -147,7 +137,7 @@ def test_merge_renames_only_the_named_engines(E, tmp_path):
     assert doc["targets"]["fp8_blockgemm speedup vs bf16"] == "b1 1.71x, b4 1.78x"
 
 
-def test_moe_models_stage_writes_block_fp8_experts_and_a_bf16_config(E, tmp_path):
+def test_moe_models_stage_writes_block_fp8_experts_and_a_bf16_config(tmp_path):
     """--shape tiny_moe (Qwen3-MoE's architecture, small): the FP8 checkpoint written
     directly, routers kept bf16 and listed as ignored; BF16 is a config for dummy weights."""
     from safetensors import safe_open
@@ -168,7 +158,7 @@ def test_moe_models_stage_writes_block_fp8_experts_and_a_bf16_config(E, tmp_path
         assert str(f.get_tensor("model.layers.0.mlp.gate.weight").dtype) == "torch.bfloat16"
 
 
-def test_parallel_suffixes_are_parsed_and_validated(E, capsys):
+def test_parallel_suffixes_are_parsed_and_validated(capsys):
     """NAME@tp<N> / NAME@ep<N>: TP1 engines and their multi-GPU variants in one run; a bad
     suffix, N < 2 or @ep on a dense shape stop parse_args before anything runs."""
     for shape in ("tiny_moe", "qwen3_30b_a3b"):
@@ -198,7 +188,7 @@ def test_parallel_suffixes_are_parsed_and_validated(E, capsys):
         assert msg in capsys.readouterr().err, configs
 
 
-def test_ep2_engine_spec_and_llm_kwargs(E, monkeypatch):
+def test_ep2_engine_spec_and_llm_kwargs(monkeypatch):
     """The worker's spec and LLM(...) kwargs of a @ep2 engine carry tensor_parallel_size=2
     and enable_expert_parallel=True, the rest as its TP1 engine's; multicast stays off."""
     monkeypatch.setattr(E, "MODEL", E.SHAPES["qwen3_30b_a3b"])
@@ -244,7 +234,7 @@ def _scored(prompt_d, greedy_d, top1_miss=0, greedy=None, own=False):
             "greedy_tokens": greedy or list(range(32)), "llm_kwargs": {}}
 
 
-def test_parallel_engines_compared_with_their_tp1_engine(E, monkeypatch):
+def test_parallel_engines_compared_with_their_tp1_engine(monkeypatch):
     """X@tpN / X@epN against X on the same scored sequence: |delta logprob| of the prompt and
     greedy tokens, top-1 agreement, greedy tokens; prompt only where each scored its own."""
     monkeypatch.setattr(E, "MODEL", E.SHAPES["tiny"])     # dense: bf16 is the reference
@@ -294,7 +284,7 @@ def test_parallel_engines_compared_with_their_tp1_engine(E, monkeypatch):
     assert "fp8_cutlass@tp2 vs TP1 fp8_cutlass: no TP1 engine fp8_cutlass in this run" in lines
 
 
-def test_targets_table_and_plot_with_parallel_engines(E, tmp_path, capsys):
+def test_targets_table_and_plot_with_parallel_engines(tmp_path, capsys):
     """TP1 engines meet TP1 anchors only; fp8_blockgemm@tp2 meets fp8_cutlass@tp2; @ep2
     without an @ep2 anchor is reported without a ratio; table and plot take the names."""
     a = _run(tmp_path / "a.json", {

@@ -1,30 +1,18 @@
 """CPU smoke test of benchmarks/e2e_decoder.py's model code on tiny sizes: the static-KV-cache
 decode step agrees with a full causal prefill, the FP8 variants agree with BF16, the scaled_mm
 variant feeds _scaled_mm the layouts cuBLASLt wants, and main() writes its JSON."""
-import importlib.util
 import json
-import os
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH = os.path.join(ROOT, "benchmarks")
-
-
-@pytest.fixture(scope="module")
-def E():
-    spec = importlib.util.spec_from_file_location("e2e_decoder",
-                                                  os.path.join(BENCH, "e2e_decoder.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+import e2e_decoder as E
 
 
 CPU = torch.device("cpu")
 
 
-def _setup(E, variants=("bf16", "fp8linear"), layers=2, max_seq=32, cublas_variant=None,
+def _setup(variants=("bf16", "fp8linear"), layers=2, max_seq=32, cublas_variant=None,
            quant=None):
     cfg = dict(E.TINY, layers=layers)
     w = E.make_weights(cfg, CPU, seed=0)
@@ -39,9 +27,9 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("variant", ["bf16", "fp8linear"])
-def test_decode_steps_match_prefill(E, variant):
+def test_decode_steps_match_prefill(variant):
     """prefill(t[:4]) then 4 decode steps == prefill(t[:8]) at the last position."""
-    cfg, _, _, models = _setup(E, variants=(variant,))
+    cfg, _, _, models = _setup(variants=(variant,))
     m = models[variant]
     g = torch.Generator().manual_seed(1)
     toks = torch.randint(0, cfg["vocab"], (3, 8), generator=g)
@@ -59,8 +47,8 @@ def test_decode_steps_match_prefill(E, variant):
     assert cache.k[0][:, :, 8:].abs().sum() == 0
 
 
-def test_fp8_variant_close_to_bf16(E):
-    cfg, _, _, models = _setup(E)
+def test_fp8_variant_close_to_bf16():
+    cfg, _, _, models = _setup()
     toks = torch.randint(0, cfg["vocab"], (4, 6), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         out = {v: models[v].prefill(toks, E.KVCache(cfg, 4, 32, CPU))[1] for v in models}
@@ -68,7 +56,7 @@ def test_fp8_variant_close_to_bf16(E):
     assert 0 < err < 5e-2
 
 
-def test_scaled_mm_layouts(E, monkeypatch):
+def test_scaled_mm_layouts(monkeypatch):
     """ScaledMMLinear pads M to a multiple of 4 and passes M-major [Mp, Kb] activation scales;
     a stand-in for _scaled_mm that checks this and computes the blockwise product must give
     FP8Linear's result."""
@@ -88,7 +76,7 @@ def test_scaled_mm_layouts(E, monkeypatch):
         return (af @ wf.t()).to(torch.bfloat16)
 
     monkeypatch.setattr(bench_gemm, "cublas_call", fake_cublas_call)
-    cfg, _, _, models = _setup(E, variants=("fp8linear", "scaled_mm"), layers=1,
+    cfg, _, _, models = _setup(variants=("fp8linear", "scaled_mm"), layers=1,
                                cublas_variant="v1", quant=fp8linear.quantize_activation)
     with torch.no_grad():
         for b in (1, 3, 4):
@@ -101,7 +89,7 @@ def test_scaled_mm_layouts(E, monkeypatch):
     assert {mp for _, mp in calls} == {4}
 
 
-def test_main_cpu_smoke(E, tmp_path):
+def test_main_cpu_smoke(tmp_path):
     out = tmp_path / "dec.json"
     rc = E.main(["--device", "cpu", "--tiny", "--batches", "1,4", "--out", str(out),
                  "--no-plot", "--eager-calls", "10"])
