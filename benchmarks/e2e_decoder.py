@@ -36,7 +36,6 @@ and listed; the JSON (header: device, torch, date, command) and the PNG are alwa
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -458,6 +457,8 @@ def header(args, device, cfg) -> dict:
 
 
 def main(argv=None) -> int:
+    global T_START  # the budget and the log's clock count from here, not from import
+    T_START = time.time()
     args = parse_args(argv)
     if args.table:
         import json

@@ -1157,7 +1157,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    global MODEL
+    global MODEL, T_START  # (the budget and the log's clock count from here, not from import)
+    T_START = time.time()
     args = parse_args(argv)
     MODEL = SHAPES[args.shape]  # (--merge: which engine the log-probabilities compare with)
     if args.table:
