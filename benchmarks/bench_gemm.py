@@ -771,7 +771,8 @@ def default_out(args, torch):
 
 
 def main(argv=None) -> int:
-    global DEV
+    global DEV, T_START  # (the budget and the log's clock count from here, not from import)
+    T_START = time.time()
     args = parse_args(argv)
     if args.cpu_dry_run:
         DEV = "cpu"
