@@ -63,7 +63,7 @@ MOE_CASES = [
     (5, 16, 4, 208, 256, torch.float16),
     (40, 4, 2, 384, 128, torch.bfloat16),
     (1, 8, 2, 256, 128, torch.bfloat16),     # slot tiles
-    (300, 8, 2, 256, 128, torch.bfloat16),   # >= 48 tokens an expert: the prefill kernel
+    (300, 8, 2, 256, 128, torch.bfloat16),   # >= 32 tokens an expert: the prefill kernel
     (100, 8, 2, 256, 128, torch.bfloat16),   # 200 slots: the one-program routing
     (200, 8, 2, 256, 256, torch.bfloat16),   # prefill again (--quick takes the even indices)
 ]
