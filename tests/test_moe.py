@@ -41,15 +41,6 @@ def test_moe_reference_matches_fp64(m, e, top_k, h, inter, routing, dtype, per_r
     assert torch.isfinite(out).all() and out.abs().sum() > 0
 
 
-def _layer(seed, m, e, h, inter):
-    gen = torch.Generator().manual_seed(seed)
-    x = R.random_matrix(m, h, gen, spread=1.0).to(torch.bfloat16)
-    w13, s13 = experts(e, 2 * inter, h, gen)
-    w2, s2 = experts(e, h, inter, gen)
-    return x, w13, s13, w2, s2, torch.rand(m, 2, generator=gen), torch.randint(0, e, (m, 2),
-                                                                                generator=gen)
-
-
 @pytest.mark.parametrize("fn", [moe_reference, fused_moe])
 def test_slots_of_experts_held_elsewhere_are_skipped(fn):
     # expert parallelism: -1 marks a slot whose expert another rank holds; the layer is the
@@ -67,7 +58,7 @@ def test_slots_of_experts_held_elsewhere_are_skipped(fn):
 
 
 def test_moe_reference_is_deterministic_and_routing_sensitive():
-    x, w13, s13, w2, s2, wts, ids = _layer(5, 9, 4, 128, 128)
+    x, w13, s13, w2, s2, wts, ids = layer(torch.Generator().manual_seed(5), 9, 4, 2, 128, 128)
     a = moe_reference(x, w13, s13, w2, s2, wts, ids)
     assert torch.equal(a.view(torch.int16), moe_reference(x, w13, s13, w2, s2, wts, ids)
                        .view(torch.int16))
@@ -106,14 +97,14 @@ def test_errors_name_the_tensor(fn):
 
 
 def test_fused_moe_on_the_cpu_is_the_reference():
-    x, w13, s13, w2, s2, wts, ids = _layer(11, 6, 4, 256, 128)
+    x, w13, s13, w2, s2, wts, ids = layer(torch.Generator().manual_seed(11), 6, 4, 2, 256, 128)
     assert torch.equal(fused_moe(x, w13, s13, w2, s2, wts, ids),
                        moe_reference(x, w13, s13, w2, s2, wts, ids))
     assert fused_moe(x[:0], w13, s13, w2, s2, wts[:0], ids[:0]).shape == (0, 256)
 
 
 def test_fused_moe_writes_into_out():
-    x, w13, s13, w2, s2, wts, ids = _layer(13, 6, 4, 256, 128)
+    x, w13, s13, w2, s2, wts, ids = layer(torch.Generator().manual_seed(13), 6, 4, 2, 256, 128)
     out = torch.full_like(x, float("nan"))
     assert fused_moe(x, w13, s13, w2, s2, wts, ids, out=out) is out
     assert torch.equal(out, moe_reference(x, w13, s13, w2, s2, wts, ids))
@@ -129,7 +120,7 @@ def test_fused_moe_writes_into_out():
 
 
 def test_fused_moe_compiles_as_one_opaque_op():
-    x, w13, s13, w2, s2, wts, ids = _layer(12, 5, 4, 256, 128)
+    x, w13, s13, w2, s2, wts, ids = layer(torch.Generator().manual_seed(12), 5, 4, 2, 256, 128)
     compiled = torch.compile(fused_moe, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x, w13, s13, w2, s2, wts, ids),
                        moe_reference(x, w13, s13, w2, s2, wts, ids))
