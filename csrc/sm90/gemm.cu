@@ -170,8 +170,7 @@ std::string dispatch_config(const GemmArgs& g, cudaStream_t stream) {
 // each block's expert in tile_expert, w [experts, N, K] with 128x128 scales.
 std::string launch_moe_prefill(const GemmArgs& g, cudaStream_t stream) {
   constexpr Config c = kConfigs[kMoePrefillConfig];
-  static_assert(c.bm == 128 && c.bn == 128 && c.cluster == 1 && !c.share_a && !c.queue_next &&
-                    !c.split_tail,
+  static_assert(c.bm == 128 && c.bn == 128 && c.cluster == 1 && !c.share_a && !c.split_tail,
                 "the grouped kernel runs single 128x128 CTAs");
   if (g.M <= 0 || g.N <= 0 || g.K <= 0 || g.experts <= 0) return "empty problem";
   if (g.tile_expert == nullptr) return "grouped GEMMs need tile_expert";
@@ -181,11 +180,12 @@ std::string launch_moe_prefill(const GemmArgs& g, cudaStream_t stream) {
   if (g.a_scale_ld % 4 != 0 || g.a_scale_ld < g.M) return "a_scale_ld must be >= M and % 4";
   if (g.w_scale_per_row || g.bias != nullptr) return "grouped GEMMs take block scales, no bias";
   constexpr int st = c.stages;
+  constexpr bool qn = c.queue_next;
   if (g.out_dtype == kOutBF16)
-    return launch<128, 128, st, 1, false, false, false, false, false, __nv_bfloat16, true>(
+    return launch<128, 128, st, 1, false, false, false, qn, false, __nv_bfloat16, true>(
         g, stream);
   if (g.out_dtype == kOutFP16)
-    return launch<128, 128, st, 1, false, false, false, false, false, __half, true>(g, stream);
+    return launch<128, 128, st, 1, false, false, false, qn, false, __half, true>(g, stream);
   return "outputs are bf16 or fp16";
 }
 
