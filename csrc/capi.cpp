@@ -233,6 +233,7 @@ FP8L_API const char* fp8l_gemm(const GemmCall* c) {
     g.counters = sc.counters;
   }
   g.tile_expert = static_cast<const int*>(c->tile_expert);
+  g.row_token = static_cast<const int64_t*>(c->row_token);
   g.experts = c->experts;
   if (g.tile_expert != nullptr) return result(fp8l::launch_moe_prefill(g, s), "moe prefill");
   return result(fp8l::launch_gemm(g, s), "gemm");

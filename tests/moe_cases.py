@@ -20,12 +20,22 @@ def experts(num: int, n: int, k: int, gen: torch.Generator, per_row: bool = Fals
     return torch.stack(ws), torch.stack(ss)
 
 
+# an expert's token count either side of the 64-row halves of its 128-row tiles (the prefill
+# kernel skips a tile's second half when it holds padding only), one token, none
+EDGE_COUNTS = (64, 65, 63, 128, 129, 192, 1, 0)
+
+
 def topk_ids(m: int, k: int, e: int, gen: torch.Generator, routing: str) -> torch.Tensor:
     """int64 [m, k], k distinct experts a token. routing: "random" (uniform over the e
     experts), "one_expert" (every token to experts 3 .. 3 + k - 1: expert 3 takes them all),
-    "few" (k of the first 3 experts: most experts get no token)."""
+    "few" (k of the first 3 experts: most experts get no token), "edges" (k = 1, e = 8,
+    m = sum(EDGE_COUNTS): expert j takes EDGE_COUNTS[j] tokens, in random order)."""
     if routing == "one_expert":
         return (torch.arange(k) + 3).repeat(m, 1)
+    if routing == "edges":
+        assert (m, k, e) == (sum(EDGE_COUNTS), 1, len(EDGE_COUNTS))
+        ids = torch.repeat_interleave(torch.arange(e), torch.tensor(EDGE_COUNTS))
+        return ids[torch.randperm(m, generator=gen)][:, None]
     pool = 3 if routing == "few" else e
     return torch.stack([torch.randperm(pool, generator=gen)[:k] for _ in range(m)])
 

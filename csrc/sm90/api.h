@@ -2,6 +2,8 @@
 // headers; csrc/capi.cpp exposes them to Python through C entry points.
 #pragma once
 #include <cuda_runtime.h>
+
+#include <cstdint>
 #include <string>
 
 namespace fp8l {
@@ -35,6 +37,9 @@ struct GemmArgs {
   // expert in 128-row tiles, tile_expert [M / 128] each tile's expert (-1: unused). Dense:
   // nullptr and 1.
   const int* tile_expert;
+  // Grouped: each sorted row's token, int64, -1 on padding rows (an expert's rows come first in
+  // its tiles): a tile whose rows from 64 on are padding runs half its MMAs. Dense: nullptr.
+  const int64_t* row_token;
   int experts;
 };
 

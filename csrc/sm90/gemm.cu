@@ -130,7 +130,7 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   const int early_b = kSplitTail || kGrouped ? 0 : g.early_b;
   GemmParams p{g.M,         g.N,     g.K,     num_kb, g.w_scale, g.bias, g.bias_f32,
                stage_bytes, early_b, g.group_m > 1 ? g.group_m : 1,     a_half,
-               g.workspace, g.counters, g.tile_expert};
+               g.workspace, g.counters, g.tile_expert, g.row_token};
   cudaLaunchAttribute attr[2];
   cudaLaunchConfig_t cfg = cluster_launch(grid, kThreads, L::kAlloc, stream, CLUSTER, attr);
   if (g.pdl) attr[cfg.numAttrs++] = pdl_attribute();
@@ -173,7 +173,8 @@ std::string launch_moe_prefill(const GemmArgs& g, cudaStream_t stream) {
   static_assert(c.bm == 128 && c.bn == 128 && c.cluster == 1 && !c.share_a && !c.split_tail,
                 "the grouped kernel runs single 128x128 CTAs");
   if (g.M <= 0 || g.N <= 0 || g.K <= 0 || g.experts <= 0) return "empty problem";
-  if (g.tile_expert == nullptr) return "grouped GEMMs need tile_expert";
+  if (g.tile_expert == nullptr || g.row_token == nullptr)
+    return "grouped GEMMs need tile_expert and row_token";
   if (g.a_scale_t == nullptr) return "grouped GEMMs take fp8 activations (sorted by expert)";
   if (g.M % c.bm != 0) return "M must be whole 128-row token tiles";
   if (g.N % c.bn != 0 || g.K % 16 != 0) return "N must be a multiple of 128 and K of 16";

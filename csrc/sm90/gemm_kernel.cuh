@@ -65,6 +65,7 @@ struct GemmParams {
   float* workspace;      // kSplitTail: fp32 partial tiles, one slot a CTA
   int* counters;         // kSplitTail: one per tile, zero between launches (the last CTA resets)
   const int* tile_expert;  // kGrouped: the expert of each BM-row M block, -1: unused
+  const int64_t* row_token;  // kGrouped: each row's token, -1: padding (after the expert's rows)
 };
 
 // bias[n], bias[n + 1] as floats, from the output dtype or fp32
@@ -674,6 +675,17 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
           for (int kb = 0; kb < (kSplitTail ? nkb : p.num_kb); ++kb) step_waves(bnd);
         }
       };
+      // kGrouped: an expert's last tile whose rows from 64 on are padding (row_token -1) keeps
+      // only the first math warpgroup's MMAs: the second waits out and frees each stage, and
+      // stores nothing (padding rows may hold anything; moe_routing.Stages)
+      if (kGrouped && wg == 1 && __ldg(p.row_token + size_t(mb) * BM + 64) < 0) {
+        for (int kb = 0; kb < p.num_kb; ++kb) {
+          mbar_wait(&full[s], phase);
+          release(s);
+          if (++s == STAGES) { s = 0; phase ^= 1; }
+        }
+        continue;
+      }
       if constexpr (kStaticBoundary && BN == 48) {
         // BN = 48 tiles (starting at multiples of 48): the boundary is 16, 32 or >= 48 (every
         // column in the first block)

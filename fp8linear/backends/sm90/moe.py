@@ -219,7 +219,7 @@ def _grouped_gemm(plan: MoePlan):
         def prefill(a, a_scale, w, w_scale, r: Routing, out, which: int):
             g = plan.gate_up if which == 0 else plan.down
             library.load().grouped_prefill(a, a_scale, w, w_scale, out, r.tile_expert,
-                                           g.group_m, plan.pdl)
+                                           r.row_token, g.group_m, plan.pdl)
         return prefill
 
     def run(a, a_scale, w, w_scale, r: Routing, out, which: int):

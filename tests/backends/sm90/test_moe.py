@@ -13,7 +13,7 @@ from fp8linear import quantize_activation
 from fp8linear.backends import dispatch
 from fp8linear.backends.sm90.moe import GroupedGemmPlan, expected_active, moe_plan
 from fp8linear.moe import fused_moe, moe_reference
-from moe_cases import experts, layer, topk_ids
+from moe_cases import EDGE_COUNTS, experts, layer, topk_ids
 
 MODELS = {  # experts, top_k, hidden, expert intermediate
     "qwen3_30b_a3b": (128, 8, 2048, 768), "qwen3_235b_a22b": (128, 8, 4096, 1536),
@@ -106,9 +106,10 @@ SLOT_CASES = [  # (the 1 x 208 output of one 128-channel h group a pair: 1.1% at
     (2, 128, 8, 512, 384, "random", torch.float16, torch.int32),
 ]
 # the prefill kernel forced where the rules would not pick it: one token, many unused tiles,
-# one expert taking every token, fp16
+# one expert taking every token, fp16; experts' last tiles with 63-65 and 127-129 rows
 PREFILL_CASES = [
     (1, 8, 2, 256, 128, "random", torch.bfloat16),
+    (sum(EDGE_COUNTS), 8, 1, 256, 256, "edges", torch.bfloat16),
     (24, 32, 2, 256, 384, "few", torch.float16),
     (200, 8, 2, 384, 256, "one_expert", torch.bfloat16),
     (96, 16, 4, 1024, 256, "random", torch.float16),
@@ -386,6 +387,7 @@ def test_grouped_entry_points_refuse_bad_arguments_before_launching():
     a = torch.zeros(256, k, dtype=torch.float8_e4m3fn, device="cuda")
     a_scale = torch.ones(k // 128, 256, device="cuda").t()
     tiles = torch.zeros(2, dtype=torch.int32, device="cuda")
+    row_token = torch.arange(256, device="cuda")
     out = torch.full((256, n), float("nan"), dtype=torch.bfloat16, device="cuda")
 
     def refused(match, call):
@@ -395,17 +397,18 @@ def test_grouped_entry_points_refuse_bad_arguments_before_launching():
         assert torch.isnan(out).all()  # nothing ran
 
     refused(r"moe prefill: M must be whole 128-row token tiles",
-            lambda: lib.grouped_prefill(a[:200], a_scale[:200], w, ws, out[:200], tiles, 1,
-                                        False))
+            lambda: lib.grouped_prefill(a[:200], a_scale[:200], w, ws, out[:200], tiles,
+                                        row_token, 1, False))
     refused(r"moe prefill: N must be a multiple of 128",
-            lambda: lib.grouped_prefill(a, a_scale, w[:, :200], ws, out[:, :200], tiles, 1,
-                                        False))
+            lambda: lib.grouped_prefill(a, a_scale, w[:, :200], ws, out[:, :200], tiles,
+                                        row_token, 1, False))
     # 16-bit activations (no scales) are not quantized for the grouped kernel: refused
     bf = torch.zeros(256, k, dtype=torch.bfloat16, device="cuda")
     refused(r"moe prefill: grouped GEMMs take fp8 activations", lambda: library._check(
         lib._gemm(library._GEMM.pack(
             bf.data_ptr(), 0, w.data_ptr(), ws.data_ptr(), 0, out.data_ptr(),
-            library._stream(0), tiles.data_ptr(), 0, 0, library._IN[bf.dtype], 0, False,
+            library._stream(0), tiles.data_ptr(), row_token.data_ptr(), 0, 0,
+            library._IN[bf.dtype], 0, False,
             False, library._OUT[out.dtype], 256, n, k, library.MOE_PREFILL_CONFIG, False,
             False, 0, 1, e, 0))))
     refused(r"M must be whole token tiles",
