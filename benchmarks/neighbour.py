@@ -59,11 +59,10 @@ def make(kind: str, x, gamma, out):
     gamma [K], writing out [M, K]."""
     if kind not in KINDS:
         raise ValueError(f"neighbour kind {kind!r}: expected one of {', '.join(KINDS)}")
+    import torch
     if kind == "elem":
-        import torch
         return lambda: torch.mul(x, gamma, out=out)
     if kind in ("fused_norm", "fused_silu"):
-        import torch
         from fp8linear.backends.triton import norm_quant as triton_norm_quant
         from fp8linear.norm_quant import _buffers   # (the ops' fp8 and scale_t outputs)
         m, k = x.shape

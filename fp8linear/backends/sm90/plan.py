@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 from ...quant import BLOCK, cdiv
-from .tiles import DECODE_TILES, GEMM_TILES, SMEM_PER_CTA
+from .tiles import DECODE_TILES, GEMM_TILES
 
 
 # ------------------------------------------------------------------------------ plans
