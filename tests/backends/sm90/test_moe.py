@@ -402,6 +402,13 @@ def test_grouped_entry_points_refuse_bad_arguments_before_launching():
     refused(r"moe prefill: N must be a multiple of 128",
             lambda: lib.grouped_prefill(a, a_scale, w[:, :200], ws, out[:, :200], tiles,
                                         row_token, 1, False))
+    # the rows' tokens (the kernel's half tiles read them) are required
+    refused(r"moe prefill: grouped GEMMs need tile_expert and row_token", lambda: library._check(
+        lib._gemm(library._GEMM.pack(
+            a.data_ptr(), a_scale.data_ptr(), w.data_ptr(), ws.data_ptr(), 0, out.data_ptr(),
+            library._stream(0), tiles.data_ptr(), 0, 0, 0, library._IN[a.dtype],
+            a_scale.stride(1), False, False, library._OUT[out.dtype], 256, n, k,
+            library.MOE_PREFILL_CONFIG, False, False, 0, 1, e, 0))))
     # 16-bit activations (no scales) are not quantized for the grouped kernel: refused
     bf = torch.zeros(256, k, dtype=torch.bfloat16, device="cuda")
     refused(r"moe prefill: grouped GEMMs take fp8 activations", lambda: library._check(
