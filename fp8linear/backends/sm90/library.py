@@ -38,9 +38,8 @@ _QUANT = _layout("quant", ("x", "q", "scale_t", "stream", "x_dtype", "scale_ld",
                            "pdl", "device"))
 _GEMM = _layout("gemm", ("a", "a_scale_t", "w", "w_scale", "bias", "out", "stream",
                          "tile_expert", "row_token", "ws_floats", "tiles", "a_dtype", "a_scale_ld",
-                         "per_row",
-                         "bias_f32", "out_dtype", "m", "n", "k", "config", "pdl", "quant_pdl",
-                         "early_b", "group_m", "experts", "device"))
+                         "per_row", "bias_f32", "out_dtype", "m", "n", "k", "config", "pdl",
+                         "quant_pdl", "early_b", "group_m", "experts", "device"))
 _DECODE = _layout("decode", ("x", "x_scale", "w", "w_scale", "bias", "out", "stream",
                              "tile_expert", "ws_floats", "tiles", "x_dtype", "xs_stride_m",
                              "xs_stride_kb", "per_row", "bias_f32", "out_dtype", "m", "n", "k",
