@@ -41,18 +41,20 @@ from .quant import needs_round_first, quant_group
 # slots a step of the routing program compares with every expert: a [slots, experts] tile
 # of at most 16K elements (registers), 128 slots for 128 experts, 16 for 1024
 ROUTE_TILE_ELEMENTS = 16384
+# experts a program of the parallel routing's scan (their chunks' counts walked in parallel)
+SCAN_EXPERTS = 16
 
 
 @triton.jit
 def _store_tile_experts(ends, experts, tile_expert_ptr, E: tl.constexpr, TILE: tl.constexpr,
-                        TILES, BLOCK_T: tl.constexpr):
-    """Tile t's expert: the first whose padded rows (ending at ends[e]) end after the tile's
-    first row; -1 past the last expert's rows."""
-    for t0 in range(0, TILES, BLOCK_T):
+                        T_BEGIN, T_END, BLOCK_T: tl.constexpr):
+    """Tiles [T_BEGIN, T_END): tile t's expert, the first whose padded rows (ending at
+    ends[e]) end after the tile's first row; -1 past the last expert's rows."""
+    for t0 in range(T_BEGIN, T_END, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         past = (ends[None, :] <= (t * TILE)[:, None]) & (experts[None, :] < E)
         e = tl.sum(past.to(tl.int32), axis=1)
-        tl.store(tile_expert_ptr + t, tl.where(e < E, e, -1), mask=t < TILES)
+        tl.store(tile_expert_ptr + t, tl.where(e < E, e, -1), mask=t < T_END)
 
 
 @triton.jit
@@ -112,7 +114,7 @@ def _route_kernel(ids_ptr, tile_expert_ptr, row_token_ptr, slot_row_ptr, S, TOP_
         cursor += _place_chunk(ids_ptr, b, cursor, row_token_ptr, slot_row_ptr, S, TOP_K,
                                BLOCK_E, BLOCK_S)
     pdl_release(USE_GDC, False)
-    _store_tile_experts(ends, experts, tile_expert_ptr, E, TILE, TILES, BLOCK_T)
+    _store_tile_experts(ends, experts, tile_expert_ptr, E, TILE, 0, TILES, BLOCK_T)
 
 
 @triton.jit
@@ -128,14 +130,14 @@ def _route_count_kernel(ids_ptr, counts_ptr, row_token_ptr, S, ROWS, FILL,
 
 
 @triton.jit
-def _route_scan_kernel(counts_ptr, first_ptr, tile_expert_ptr, CHUNKS, E: tl.constexpr,
-                       BLOCK_E: tl.constexpr, TILE: tl.constexpr, TILES,
-                       BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, USE_GDC: tl.constexpr):
+def _route_scan_kernel(counts_ptr, first_ptr, totals_ptr, CHUNKS, BLOCK_E: tl.constexpr,
+                       BLOCK_EC: tl.constexpr, BLOCK_B: tl.constexpr, USE_GDC: tl.constexpr):
+    """BLOCK_EC experts a program: each chunk's count of earlier chunks' slots of the expert
+    (first) and the expert's slots (totals). Experts are independent, so the scan runs in
+    parallel over them (one program over all of them was the routing's longest launch)."""
     pdl_acquire(USE_GDC, False)
-    experts = tl.arange(0, BLOCK_E)
-    # each chunk's count of earlier chunks' slots, per expert: BLOCK_B chunks a step (a
-    # chunk a step made 256 chunks a serial walk of dependent loads: 65 us at 32K slots)
-    total = tl.zeros([BLOCK_E], dtype=tl.int32)
+    experts = tl.program_id(0) * BLOCK_EC + tl.arange(0, BLOCK_EC)
+    total = tl.zeros([BLOCK_EC], dtype=tl.int32)
     for b0 in range(0, CHUNKS, BLOCK_B):
         b = b0 + tl.arange(0, BLOCK_B)
         at = b[:, None] * BLOCK_E + experts[None, :]
@@ -143,27 +145,30 @@ def _route_scan_kernel(counts_ptr, first_ptr, tile_expert_ptr, CHUNKS, E: tl.con
         tl.store(first_ptr + at, tl.cumsum(c, axis=0) - c + total[None, :],
                  mask=b[:, None] < CHUNKS)
         total += tl.sum(c, axis=0)
-    padded = (total + TILE - 1) // TILE * TILE
-    ends = tl.cumsum(padded, axis=0)
-    # first row of each chunk's slots of expert e: the expert's first row + earlier chunks'
-    tl.debug_barrier()  # (the stores above before the loads below, whichever thread)
-    for b0 in range(0, CHUNKS, BLOCK_B):
-        b = b0 + tl.arange(0, BLOCK_B)
-        at = b[:, None] * BLOCK_E + experts[None, :]
-        f = tl.load(first_ptr + at, mask=b[:, None] < CHUNKS, other=0)
-        tl.store(first_ptr + at, f + (ends - padded)[None, :], mask=b[:, None] < CHUNKS)
     pdl_release(USE_GDC, False)
-    _store_tile_experts(ends, experts, tile_expert_ptr, E, TILE, TILES, BLOCK_T)
+    tl.store(totals_ptr + experts, total)
 
 
 @triton.jit
-def _route_place_kernel(ids_ptr, first_ptr, row_token_ptr, slot_row_ptr, S, TOP_K,
-                        BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, USE_GDC: tl.constexpr):
+def _route_place_kernel(ids_ptr, first_ptr, totals_ptr, tile_expert_ptr, row_token_ptr,
+                        slot_row_ptr, S, TOP_K, E: tl.constexpr, BLOCK_E: tl.constexpr,
+                        TILE: tl.constexpr, TILES, TILES_PER,
+                        BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, USE_GDC: tl.constexpr):
+    """Chunk b placed: the experts' first rows from their totals (every program sums the
+    few totals itself: no further launch), plus earlier chunks' slots; and the chunk's
+    share of tile_expert."""
     b = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
     pdl_acquire(USE_GDC, False)
-    first = tl.load(first_ptr + b * BLOCK_E + tl.arange(0, BLOCK_E))
+    total = tl.load(totals_ptr + experts)
+    first = tl.load(first_ptr + b * BLOCK_E + experts)
     pdl_release(USE_GDC, False)
-    _place_chunk(ids_ptr, b, first, row_token_ptr, slot_row_ptr, S, TOP_K, BLOCK_E, BLOCK_S)
+    padded = (total + TILE - 1) // TILE * TILE
+    ends = tl.cumsum(padded, axis=0)
+    _place_chunk(ids_ptr, b, first + ends - padded, row_token_ptr, slot_row_ptr, S, TOP_K,
+                 BLOCK_E, BLOCK_S)
+    _store_tile_experts(ends, experts, tile_expert_ptr, E, TILE, b * TILES_PER,
+                        tl.minimum((b + 1) * TILES_PER, TILES), BLOCK_T)
 
 
 def route_parallel(topk_ids: torch.Tensor, num_experts: int, token_tile: int) -> Routing:
@@ -171,19 +176,22 @@ def route_parallel(topk_ids: torch.Tensor, num_experts: int, token_tile: int) ->
     r, slots, block_e, block_s, warps = _routing(topk_ids, num_experts, token_tile)
     pdl = pdl_available(topk_ids.device)
     chunks = cdiv(slots, block_s)
-    counts = torch.empty(chunks, block_e, dtype=torch.int32, device=topk_ids.device)
+    dev = topk_ids.device
+    counts = torch.empty(chunks, block_e, dtype=torch.int32, device=dev)
     first = torch.empty_like(counts)
+    totals = torch.empty(block_e, dtype=torch.int32, device=dev)
     _route_count_kernel[(chunks,)](topk_ids, counts, r.row_token, slots, r.rows,
                                    cdiv(cdiv(r.rows, chunks), block_s) * block_s, block_e,
                                    block_s, pdl, num_warps=warps, launch_pdl=pdl)
-    _route_scan_kernel[(1,)](counts, first, r.tile_expert, chunks, num_experts, block_e,
-                             token_tile, r.tile_expert.shape[0], 32,
-                             max(1, min(triton.next_power_of_2(chunks),
-                                        ROUTE_TILE_ELEMENTS // block_e)),
-                             pdl, num_warps=warps, launch_pdl=pdl)
-    _route_place_kernel[(chunks,)](topk_ids, first, r.row_token, r.slot_row, slots,
-                                   topk_ids.shape[1], block_e, block_s, pdl, num_warps=warps,
-                                   launch_pdl=pdl)
+    block_ec = min(block_e, SCAN_EXPERTS)
+    block_b = max(1, min(triton.next_power_of_2(chunks), ROUTE_TILE_ELEMENTS // block_ec))
+    _route_scan_kernel[(block_e // block_ec,)](counts, first, totals, chunks, block_e, block_ec,
+                                                block_b, pdl, num_warps=4, launch_pdl=pdl)
+    tiles = r.tile_expert.shape[0]
+    _route_place_kernel[(chunks,)](topk_ids, first, totals, r.tile_expert, r.row_token,
+                                   r.slot_row, slots, topk_ids.shape[1], num_experts, block_e,
+                                   token_tile, tiles, cdiv(tiles, chunks), block_s, 32, pdl,
+                                   num_warps=warps, launch_pdl=pdl)
     return r
 
 
