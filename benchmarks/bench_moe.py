@@ -166,9 +166,12 @@ def make_call(method, x, w13, s13, w2, s2, routes, deepgemm=None):
 
 def forced_pieces(piece: str) -> dict:
     """The plan pieces an exploration method forces (backends/sm90/moe.py ``forced``):
-    t<tile>, nopdl, prefill / decode, slots / sorted, g<band>."""
+    t<tile>, nopdl, prefill / decode, slots / sorted, g<band>, unfused (the prefill kernel's
+    gate_up without its SiLU-and-mul epilogue)."""
     if piece == "nopdl":
         return {"pdl": False}
+    if piece == "unfused":
+        return {"fused_act": False}
     if piece in ("prefill", "decode"):
         return {"prefill": piece == "prefill"}
     if piece in ("slots", "sorted"):

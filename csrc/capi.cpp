@@ -235,6 +235,8 @@ FP8L_API const char* fp8l_gemm(const GemmCall* c) {
   g.tile_expert = static_cast<const int*>(c->tile_expert);
   g.row_token = static_cast<const int64_t*>(c->row_token);
   g.experts = c->experts;
+  g.out_scale_t = static_cast<float*>(const_cast<void*>(c->out_scale_t));
+  g.out_scale_ld = c->out_scale_ld;
   if (g.tile_expert != nullptr) return result(fp8l::launch_moe_prefill(g, s), "moe prefill");
   return result(fp8l::launch_gemm(g, s), "gemm");
 }

@@ -14,7 +14,8 @@ A slot of expert id -1 (its expert held by another rank: expert parallelism) tak
 (slot_row -1) and adds nothing to its token's sum.
 
 The torch functions here define each stage; a backend brings its own (``Stages``):
-backends/triton/moe.py has them as one kernel each.
+backends/triton/moe.py has them as one kernel each, and a backend may fold SiLU-and-mul +
+quantization into gate_up's GEMM (``gate_up_silu_quant``: the sm90 prefill kernel).
 
 The numerics are moe.py's (``moe_reference``): each row is computed on its own, so sorting
 and padding change no result.
@@ -125,6 +126,9 @@ class Stages:
     grouped_gemm: Callable   # (a, a_scale, w [E, N, K], w_scale, Routing, out, which) -> None
     silu_mul_quant: Callable  # (gate_up, Routing) -> (fp8 [R, I], scale [R, Ib], any strides)
     combine: Callable        # (y, Routing, topk_weights, out [M, H]) -> out
+    # gate_up's GEMM with silu_mul_quant in its epilogue, in place of the two (None: the two):
+    # (a, a_scale, w13, w13_scale, Routing, dtype of x) -> silu_mul_quant's (fp8, scale)
+    gate_up_silu_quant: Callable | None = None
 
 
 def sorted_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, token_tile: int,
@@ -135,9 +139,12 @@ def sorted_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, token_ti
     num_experts, two_i, _ = w13.shape
     r = stages.route(topk_ids, num_experts, token_tile)
     xq, x_scale = stages.gather_quant(x, r)
-    gate_up = torch.empty(r.rows, two_i, dtype=x.dtype, device=x.device)
-    stages.grouped_gemm(xq, x_scale, w13, w13_scale, r, gate_up, 0)
-    hq, h_scale = stages.silu_mul_quant(gate_up, r)
+    if stages.gate_up_silu_quant is not None:
+        hq, h_scale = stages.gate_up_silu_quant(xq, x_scale, w13, w13_scale, r, x.dtype)
+    else:
+        gate_up = torch.empty(r.rows, two_i, dtype=x.dtype, device=x.device)
+        stages.grouped_gemm(xq, x_scale, w13, w13_scale, r, gate_up, 0)
+        hq, h_scale = stages.silu_mul_quant(gate_up, r)
     y = torch.empty(r.rows, h, dtype=x.dtype, device=x.device)
     stages.grouped_gemm(hq, h_scale, w2, w2_scale, r, y, 1)
     return stages.combine(y, r, topk_weights, torch.empty_like(x) if out is None else out)

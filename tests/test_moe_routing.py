@@ -2,6 +2,8 @@
 whole sorted pipeline on the reference grouped GEMM against moe_reference, bit for bit."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -125,4 +127,34 @@ def test_sorted_pipeline_is_moe_reference_bit_for_bit(m, k, e, h, inter, tile, r
     # with slots held elsewhere (-1, expert parallelism)
     ids = ids.masked_fill(torch.rand(m, k, generator=gen) < 0.4, -1)
     got = sorted_moe(x, w13, s13, w2, s2, wts, ids, tile, reference.moe_stages())
+    assert torch.equal(got, moe_reference(x, w13, s13, w2, s2, wts, ids))
+
+
+def test_a_fused_gate_up_stage_replaces_the_gemm_and_silu_mul():
+    # Stages.gate_up_silu_quant (a backend's gate_up GEMM with SiLU-and-mul + quantization in
+    # its epilogue) runs in place of gate_up's grouped GEMM and the silu_mul_quant stage
+    gen = torch.Generator().manual_seed(5)
+    m, k, e, h, inter = 20, 2, 8, 256, 256
+    x = torch.randn(m, h, generator=gen).to(torch.bfloat16)
+    w13, s13 = _experts(e, 2 * inter, h, gen)
+    w2, s2 = _experts(e, h, inter, gen)
+    ids, wts = _ids(m, k, e, gen, "random"), torch.softmax(torch.randn(m, k, generator=gen), 1)
+    st, ran = reference.moe_stages(), []
+
+    def gate_up_silu_quant(a, a_scale, w, w_scale, r, dtype):
+        gate_up = torch.empty(r.rows, w.shape[1], dtype=dtype)
+        st.grouped_gemm(a, a_scale, w, w_scale, r, gate_up, 0)
+        ran.append(dtype)
+        return st.silu_mul_quant(gate_up, r)
+
+    def down_only(a, a_scale, w, w_scale, r, out, which):
+        assert which == 1
+        st.grouped_gemm(a, a_scale, w, w_scale, r, out, which)
+
+    def no_silu(gate_up, r):
+        raise AssertionError("the fused stage took its place")
+    fused = dataclasses.replace(st, grouped_gemm=down_only, silu_mul_quant=no_silu,
+                                gate_up_silu_quant=gate_up_silu_quant)
+    got = sorted_moe(x, w13, s13, w2, s2, wts, ids, 32, fused)
+    assert ran == [torch.bfloat16]
     assert torch.equal(got, moe_reference(x, w13, s13, w2, s2, wts, ids))

@@ -41,6 +41,11 @@ struct GemmArgs {
   // its tiles): a tile whose rows from 64 on are padding runs half its MMAs. Dense: nullptr.
   const int64_t* row_token;
   int experts;
+  // Grouped gate_up (N = 2I) with SiLU-and-mul + quantization in the epilogue: out is then fp8
+  // h [M, I] (out_dtype: the activations' dtype, to which gate and up round first) and
+  // out_scale_t its scales [I / 128, out_scale_ld] (token-minor). nullptr: out as computed.
+  float* out_scale_t;
+  int out_scale_ld;
 };
 
 // Large-M persistent TMA + wgmma kernel. Returns "" on success, else the error.

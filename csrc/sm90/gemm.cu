@@ -60,7 +60,8 @@ int max_cluster_ctas(int cluster, int smem, int threads, int num_sms) {
 }
 
 template <int BM, int BN, int STAGES, int CLUSTER, bool kShareA, bool kPerRow, bool kLean,
-          bool kQueueNext, bool kSplitTail, typename OutT, bool kGrouped = false>
+          bool kQueueNext, bool kSplitTail, typename OutT, bool kGrouped = false,
+          bool kSwiglu = false>
 std::string launch(const GemmArgs& g, cudaStream_t stream) {
   using L = GemmSmem<BM, BN, STAGES, kSplitTail>;
   static_assert(L::kAlloc <= kSmemOneCtaPerSm, "shared memory over the sm_90 limit");
@@ -81,10 +82,11 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   if (!(e = make_tensor_map_2d(&ta, g.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, g.M, g.K, g.K,
                                kShareA ? a_half : a_rows, kBlockK, sw128)).empty())
     return e;
-  // grouped: every expert's weights, [experts * N, K]
+  // grouped: every expert's weights, [experts * N, K]; kSwiglu: a tile of two 64-row boxes
   const int w_rows = kGrouped ? g.experts * g.N : g.N;
   if (!(e = make_tensor_map_2d(&tb, g.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, w_rows, g.K, g.K,
-                               kShareA ? BN : BN / CLUSTER, kBlockK, sw128)).empty())
+                               kShareA ? BN : BN / (kSwiglu ? 2 : CLUSTER), kBlockK,
+                               sw128)).empty())
     return e;
   // token columns past M read as zero (their A rows are zero too): the scales may be a view
   // of a caller's tensor that ends at column M of its last row
@@ -98,17 +100,21 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   // 32 columns 64B-swizzled, narrow tiles (BN <= 32, 48) one unswizzled box of BN columns
   const auto out_swizzle = L::kOneBox ? CU_TENSOR_MAP_SWIZZLE_NONE
                            : L::kBoxCols == 32 ? CU_TENSOR_MAP_SWIZZLE_64B : sw128;
-  if (!(e = make_tensor_map_2d(&tc, g.out, out_type, 2, g.M, g.N, g.N, 64, L::kBoxCols,
-                               out_swizzle)).empty())
+  // (kSwiglu: fp8 h [M, N / 2] in 64-row boxes of a tile's 128 channels)
+  if (!(e = kSwiglu ? make_tensor_map_2d(&tc, g.out, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, g.M,
+                                         g.N / 2, g.N / 2, 64, BN, sw128)
+                    : make_tensor_map_2d(&tc, g.out, out_type, 2, g.M, g.N, g.N, 64, L::kBoxCols,
+                                         out_swizzle)).empty())
     return e;
 
   constexpr auto kernel = fp8_gemm_kernel<BM, BN, STAGES, CLUSTER, kShareA, kPerRow, kLean,
-                                          kQueueNext, kSplitTail, OutT, kGrouped>;
+                                          kQueueNext, kSplitTail, OutT, kGrouped, kSwiglu>;
   constexpr int kThreads = L::kThreads;
   cudaError_t err = ensure_smem_limit<kernel>(L::kAlloc);
   if (err != cudaSuccess) return cudaGetErrorString(err);
   // persistent: one CTA per SM (per cluster slot), never more CTAs than work units need
-  const int tiles_m = (g.M + BM - 1) / BM, tiles_n = (g.N + BN - 1) / BN;
+  const int tiles_m = (g.M + BM - 1) / BM;
+  const int tiles_n = kSwiglu ? g.N / (2 * BN) : (g.N + BN - 1) / BN;
   const int units = kShareA ? tiles_m * ((tiles_n + CLUSTER - 1) / CLUSTER)
                             : ((tiles_m + CLUSTER - 1) / CLUSTER) * tiles_n;
   int slots = g.num_sms / CLUSTER * CLUSTER;
@@ -130,7 +136,8 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   const int early_b = kSplitTail || kGrouped ? 0 : g.early_b;
   GemmParams p{g.M,         g.N,     g.K,     num_kb, g.w_scale, g.bias, g.bias_f32,
                stage_bytes, early_b, g.group_m > 1 ? g.group_m : 1,     a_half,
-               g.workspace, g.counters, g.tile_expert, g.row_token};
+               g.workspace, g.counters, g.tile_expert, g.row_token, g.out_scale_t,
+               g.out_scale_ld};
   cudaLaunchAttribute attr[2];
   cudaLaunchConfig_t cfg = cluster_launch(grid, kThreads, L::kAlloc, stream, CLUSTER, attr);
   if (g.pdl) attr[cfg.numAttrs++] = pdl_attribute();
@@ -163,6 +170,19 @@ std::string dispatch_config(const GemmArgs& g, cudaStream_t stream) {
   }
 }
 
+// The grouped kernel on the prefill tile (kMoePrefillConfig) for the output type.
+template <bool kSwiglu>
+std::string grouped(const GemmArgs& g, cudaStream_t stream) {
+  constexpr Config c = kConfigs[kMoePrefillConfig];
+  constexpr int st = c.stages;
+  constexpr bool qn = c.queue_next, kGrouped = true;
+  if (g.out_dtype == kOutBF16)
+    return launch<128, 128, st, 1, false, false, false, qn, false, __nv_bfloat16, kGrouped,
+                  kSwiglu>(g, stream);
+  return launch<128, 128, st, 1, false, false, false, qn, false, __half, kGrouped, kSwiglu>(
+      g, stream);
+}
+
 }  // namespace
 
 // The prefill expert GEMM of a mixture-of-experts layer (gemm_kernel.cuh: kGrouped) on the
@@ -180,14 +200,12 @@ std::string launch_moe_prefill(const GemmArgs& g, cudaStream_t stream) {
   if (g.N % c.bn != 0 || g.K % 16 != 0) return "N must be a multiple of 128 and K of 16";
   if (g.a_scale_ld % 4 != 0 || g.a_scale_ld < g.M) return "a_scale_ld must be >= M and % 4";
   if (g.w_scale_per_row || g.bias != nullptr) return "grouped GEMMs take block scales, no bias";
-  constexpr int st = c.stages;
-  constexpr bool qn = c.queue_next;
-  if (g.out_dtype == kOutBF16)
-    return launch<128, 128, st, 1, false, false, false, qn, false, __nv_bfloat16, true>(
-        g, stream);
-  if (g.out_dtype == kOutFP16)
-    return launch<128, 128, st, 1, false, false, false, qn, false, __half, true>(g, stream);
-  return "outputs are bf16 or fp16";
+  if (g.out_dtype != kOutBF16 && g.out_dtype != kOutFP16) return "outputs are bf16 or fp16";
+  // out_scale_t: gate_up with SiLU-and-mul + quantization in the epilogue (fp8 h, N = 2I)
+  if (g.out_scale_t == nullptr) return grouped<false>(g, stream);
+  if (g.N % (2 * c.bn) != 0) return "SiLU-and-mul: N (2I) must be a multiple of 256";
+  if (g.out_scale_ld % 4 != 0 || g.out_scale_ld < g.M) return "out_scale_ld must be >= M and % 4";
+  return grouped<true>(g, stream);
 }
 
 std::string launch_gemm(const GemmArgs& g, cudaStream_t stream) {

@@ -21,8 +21,11 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <type_traits>
+
 #include "common/ptx.cuh"
 #include "common/wgmma.cuh"
+#include "sm90/quant.cuh"
 
 namespace fp8l {
 
@@ -66,6 +69,8 @@ struct GemmParams {
   int* counters;         // kSplitTail: one per tile, zero between launches (the last CTA resets)
   const int* tile_expert;  // kGrouped: the expert of each BM-row M block, -1: unused
   const int64_t* row_token;  // kGrouped: each row's token, -1: padding (after the expert's rows)
+  float* out_scale_t;  // kSwiglu: h's scales [N / 256, out_scale_ld] (token-minor)
+  int out_scale_ld;
 };
 
 // bias[n], bias[n + 1] as floats, from the output dtype or fp32
@@ -163,8 +168,15 @@ struct SplitTail {
 // tokens sorted by expert in M blocks of BM rows, B [experts * N, K] every expert's weights;
 // M block mb multiplies expert tile_expert[mb]'s N rows, blocks of -1 are skipped by every
 // role alike.
+// kSwiglu (grouped gate_up, N = 2I: gate rows [0, I), up rows [I, 2I)): the output is
+// h = SiLU(gate) * up quantized per 128 channels (swiglu_quant's numerics, gate and up rounded
+// to OutT first as a stored gate_up would be): fp8 [M, I] in tmap_c and its scales in
+// out_scale_t. A unit is (M block, 128 h channels) run as two K loops, one per 64 channels,
+// whose B tile is gate rows [n0, n0 + 64) over up rows [I + n0, +64): a thread then holds
+// gate and up of the same channels (columns c and c + 64), from two weight-scale blocks.
 template <int BM, int BN, int STAGES, int CLUSTER, bool kShareA, bool kPerRowB, bool kLean,
-          bool kQueueNext, bool kSplitTail, typename OutT, bool kGrouped = false>
+          bool kQueueNext, bool kSplitTail, typename OutT, bool kGrouped = false,
+          bool kSwiglu = false>
 __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 : 1)
     fp8_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,   // [M, K] fp8
                     const __grid_constant__ CUtensorMap tmap_b,   // [N, K] fp8
@@ -187,10 +199,13 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
   static_assert(!kGrouped || (BM == 128 && BN == 128 && CLUSTER == 1 && !kPerRowB &&
                               !kSplitTail && !kLean),
                 "grouped: single CTAs of 128x128 tiles, block scales");
+  static_assert(!kSwiglu || kGrouped, "SiLU-and-mul in the epilogue: the grouped gate_up only");
+  // K loops a unit runs (kSwiglu: one a 64-channel half)
+  constexpr int kHalves = kSwiglu ? 2 : 1;
   // 128x128 weight-scale blocks: a BN-column tile lies in one block when BN divides 128,
   // else (BN = 48, 96, 160, 192) it can straddle two; the boundary falls on a 32-column
   // multiple (64 for BN = 192; 16 or 32 for BN = 48).
-  constexpr bool kTwoBlocks = !kPerRowB && (128 % BN != 0);
+  constexpr bool kTwoBlocks = !kPerRowB && (128 % BN != 0 || kSwiglu);
   // BN = 48 / 96 / 160: the boundary is a constant of the tile's K loop (one loop per case, picked
   // at the tile's start, as DeepGEMM does): a run-time select per 8 columns cost those tiles
   // 10-15% (docs/tuning.md: gemm-static-boundary). BN = 192 selects once per K block (two
@@ -220,7 +235,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
   // across setmaxnreg are spilled (the kernel starts at 168 registers a thread).
 #define FP8L_TILE_WALK                                                            \
   const int num_m = (p.M + BM - 1) / BM;                                          \
-  const int num_n = (p.N + BN - 1) / BN;                                          \
+  const int num_n = kSwiglu ? p.N / (2 * BN) : (p.N + BN - 1) / BN;              \
   const int num_um = kShareA ? num_m : (num_m + CLUSTER - 1) / CLUSTER;           \
   const int num_un = kShareA ? (num_n + CLUSTER - 1) / CLUSTER : num_n;           \
   const int num_units = num_um * num_un;                                          \
@@ -283,8 +298,13 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
           mb = kShareA ? um : min(um * CLUSTER + rank, num_m - 1);
           nb = kShareA ? min(un * CLUSTER + rank, num_n - 1) : un;
         };
-        auto load_b = [&](int st, int kb, int nb, int expert) {
-          if constexpr (CLUSTER == 1 || kShareA) {
+        auto load_b = [&](int st, int kb, int nb, int expert, int half) {
+          if constexpr (kSwiglu) {  // gate rows of the half over its up rows: 64-row boxes
+            const int row = expert * p.N + nb * BN + half * (BN / 2);
+            tma_load_2d(sB + st * L::kBBytes, &tmap_b, &full[st], kb * kBlockK, row, keep_b);
+            tma_load_2d(sB + st * L::kBBytes + BN / 2 * kBlockK, &tmap_b, &full[st],
+                        kb * kBlockK, row + p.N / 2, keep_b);
+          } else if constexpr (CLUSTER == 1 || kShareA) {
             tma_load_2d(sB + st * L::kBBytes, &tmap_b, &full[st], kb * kBlockK,
                         expert * p.N + nb * BN, keep_b);
           } else {
@@ -302,12 +322,12 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
           int mb, nb;
           unit_mn(first_unit, mb, nb);
           early = min(min(STAGES, p.num_kb), p.early_b);
-          for (int kb = 0; kb < early; ++kb) load_b(kb, kb, nb, 0);
+          for (int kb = 0; kb < early; ++kb) load_b(kb, kb, nb, 0, 0);
         }
         pdl_wait();
         // K block kb of the tile at row0 / nb into the next stage (its weights too unless they
         // went out early)
-        auto stage = [&](int kb, int row0, int nb, int expert, bool with_b) {
+        auto stage = [&](int kb, int row0, int nb, int expert, int half, bool with_b) {
           mbar_wait(&empty[s], phase ^ 1);
           if constexpr (CLUSTER == 1 || !kShareA) {
             tma_load_2d(sA + s * L::kABytes, &tmap_a, &full[s], kb * kBlockK, row0, keep);
@@ -317,7 +337,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
             tma_load_2d_multicast(sA + s * L::kABytes + rank * p.a_half * kBlockK, &tmap_a,
                                   &full[s], kb * kBlockK, row0 + rank * p.a_half, kBoth, keep);
           }
-          if (with_b) load_b(s, kb, nb, expert);
+          if (with_b) load_b(s, kb, nb, expert, half);
           tma_load_2d(sSA + s * BM, &tmap_sa, &full[s], row0, kb, keep);
           // The copies go out first, then the arrival that expects their bytes (the barrier
           // cannot complete before it): faster than arriving first (docs/tuning.md:
@@ -335,15 +355,16 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
           const int expert = unit_expert(u);
           if (expert < 0) continue;
           const int row0 = kSplitTail || kGrouped ? mb * BM : tile_row0<BM>(mb, p.M);
-          for (int kb = 0; kb < p.num_kb; ++kb)
-            stage(kb, row0, nb, expert, u != first_unit || kb >= early);
+          for (int half = 0; half < kHalves; ++half)
+            for (int kb = 0; kb < p.num_kb; ++kb)
+              stage(kb, row0, nb, expert, half, u != first_unit || kb >= early);
         }
         if (kSplitTail && int(blockIdx.x) < st.tail * st.parts) {  // this CTA's tail part
           const int part = blockIdx.x / st.tail;
           int mb, nb;
           unit_mn(st.dp_end + blockIdx.x % st.tail, mb, nb);
           for (int kb = st.kb(part, p.num_kb); kb < st.kb(part + 1, p.num_kb); ++kb)
-            stage(kb, mb * BM, nb, 0, true);
+            stage(kb, mb * BM, nb, 0, 0, true);
         }
         // PDL (a no-op without it): the next kernel may launch once every CTA of ours has
         // issued its last loads (one thread's call counts for its CTA); it waits for our
@@ -391,17 +412,23 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
             row_scales(tile_nb(u), kb);
         }
       } else {
-        // lane i's scales of K block kb0 + i of unit u (zeros past the K blocks or units)
+        // a unit's stages: its K blocks (kSwiglu: twice, once a half, with the same scales)
+        const int unit_kbs = kHalves * p.num_kb;
+        // lane i's scales of the unit's stage kb0 + i of unit u (zeros past its stages or the
+        // units)
         auto fetch = [&](int u, int kb0, float& lo, float& hi) {
           lo = hi = 0.f;
-          const int kb = kb0 + lane;
-          if (u < num_units && kb < p.num_kb) {
-            const int blk = tile_nb(u) * BN / 128;  // the first 128-row block (and blk + 1)
+          int kb = kb0 + lane;
+          if (u < num_units && kb < unit_kbs) {
+            if (kSwiglu && kb >= p.num_kb) kb -= p.num_kb;
+            // the first 128-row block, and the next (kSwiglu: the up rows' block, I / 128 on)
+            const int blk = tile_nb(u) * BN / 128;
+            const int blk_hi = kSwiglu ? blk + num_nblk / 2 : blk + 1;
             const float* ws = p.w_scale;
             if constexpr (kGrouped) ws += size_t(unit_expert(u)) * num_nblk * p.num_kb;
             lo = __ldg(ws + size_t(blk) * p.num_kb + kb);
-            if (kTwoBlocks && blk + 1 < num_nblk)
-              hi = __ldg(ws + size_t(blk + 1) * p.num_kb + kb);
+            if (kTwoBlocks && blk_hi < num_nblk)
+              hi = __ldg(ws + size_t(blk_hi) * p.num_kb + kb);
           }
         };
         // stage s's block scales from lane j of (lo, hi)
@@ -430,10 +457,10 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
         fetch(u, kb0, lo, hi);
         while (u < dp_end) {
           int nu = u, nkb0 = kb0 + 32;
-          if (nkb0 >= p.num_kb) nu = next_unit(nu + unit_stride), nkb0 = 0;
+          if (nkb0 >= unit_kbs) nu = next_unit(nu + unit_stride), nkb0 = 0;
           float nlo, nhi;
           fetch(nu, nkb0, nlo, nhi);  // in flight while this batch is handed out
-          const int kb_end = min(kb0 + 32, p.num_kb);
+          const int kb_end = min(kb0 + 32, unit_kbs);
           for (int kb = kb0; kb < kb_end; ++kb) hand_out(kb - kb0, lo, hi);
           u = nu, kb0 = nkb0, lo = nlo, hi = nhi;
         }
@@ -616,6 +643,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
     };
     constexpr bool kIssueNext = true, kLast = false;
 
+
     // Tiles u: all K blocks of every unit_stride-th unit from first_unit; with kSplitTail those
     // below dp_end, then this CTA's part of a tail tile (nkb of its K blocks).
     // (the split is recomputed where it is used: kept live it cost the per-row tiles a spill)
@@ -679,10 +707,82 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
       // only the first math warpgroup's MMAs: the second waits out and frees each stage, and
       // stores nothing (padding rows may hold anything; moe_routing.Stages)
       if (kGrouped && wg == 1 && __ldg(p.row_token + size_t(mb) * BM + 64) < 0) {
-        for (int kb = 0; kb < p.num_kb; ++kb) {
+        for (int kb = 0; kb < kHalves * p.num_kb; ++kb) {
           mbar_wait(&full[s], phase);
           release(s);
           if (++s == STAGES) { s = 0; phase ^= 1; }
+        }
+        continue;
+      }
+      // kSwiglu: the unit (M block mb, h channels [128 nb, +128)): its two K loops, h of each
+      // half packed (OutT pairs: channels 64 t + 8 j + col_q, +1 of rows row_in_wg + 8 r), the
+      // rows' amax over the 128 channels (this thread's 32 and its quad's), then fp8 h through
+      // shared memory to a TMA store and the rows' scales to out_scale_t. The first half's h
+      // waits in the upper half of sOut (fp8 h takes the lower), each thread's own words: kept
+      // in registers through the second K loop, they spilled.
+      if constexpr (kSwiglu) {
+        constexpr bool kFp16 = std::is_same_v<OutT, __half>;
+        uint32_t* stash = reinterpret_cast<uint32_t*>(sOut + BM * BN) + threadIdx.x;
+        uint32_t h1[8][2];
+        for (int t = 0; t < 2; ++t) {  // (rolled: one copy of the K loop)
+#pragma unroll
+          for (int i = 0; i < kRegs; ++i) acc[0][i] = 0.f;
+          k_loop(BN / 2);  // gate columns [0, 64): the first scale block, up the second
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              float g[2], v[2];
+              word_to_floats<OutT>(OutTraits<OutT>::pack(acc[0][4 * j + 2 * r],
+                                                         acc[0][4 * j + 2 * r + 1]), g);
+              word_to_floats<OutT>(OutTraits<OutT>::pack(acc[0][4 * (j + 8) + 2 * r],
+                                                         acc[0][4 * (j + 8) + 2 * r + 1]), v);
+              const uint32_t w = OutTraits<OutT>::pack(silu_mul1(g[0], v[0], kFp16),
+                                                       silu_mul1(g[1], v[1], kFp16));
+              if (t == 0) stash[(2 * j + r) * kMathWG * 128] = w;
+              else h1[j][r] = w;
+            }
+        }
+        const bool wg_leader = threadIdx.x % 128 == 0;
+        if (wg_leader) tma_store_wait_read();  // the previous unit's store has left smem
+        named_barrier(1 + wg, 128);
+        uint8_t* box = sOut + wg * 64 * 128;  // this warpgroup's 64 rows x 128 fp8 channels
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          // |h| as 16-bit magnitudes: an integer max is the amax (NaN propagating)
+          constexpr uint32_t kAbs = 0x7FFF7FFFu;
+          uint32_t m = 0, h0[8];
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            h0[j] = stash[(2 * j + r) * kMathWG * 128];
+            m = max_u16x2(m, max_u16x2(h0[j] & kAbs, h1[j][r] & kAbs));
+          }
+          m = max_u16x2(m, m >> 16);
+          m = max_u16x2(m, __shfl_xor_sync(0xffffffffu, m, 1));
+          m = max_u16x2(m, __shfl_xor_sync(0xffffffffu, m, 2));
+          const GroupScale gs = group_scale(bits16_to_float(m, kFp16));
+          const int row = row_in_wg + 8 * r;
+#pragma unroll
+          for (int t = 0; t < 2; ++t)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+              float v[2];
+              word_to_floats<OutT>(t == 0 ? h0[j] : h1[j][r], v);
+              const __nv_fp8x2_storage_t q = __nv_cvt_float2_to_fp8x2(
+                  make_float2(div_by_scale(v[0], gs), div_by_scale(v[1], gs)), __NV_SATFINITE,
+                  __NV_E4M3);
+              const int c = 64 * t + 8 * j + col_q;  // byte in the 128-byte row: 128B swizzle
+              *reinterpret_cast<__nv_fp8x2_storage_t*>(box + row * 128 +
+                                                      (((c / 16) ^ (row % 8)) * 16) + c % 16) = q;
+            }
+          if (lane % 4 == 0)
+            p.out_scale_t[size_t(nb) * p.out_scale_ld + mb * BM + wg * 64 + row] = gs.scale();
+        }
+        fence_proxy_async_smem();
+        named_barrier(1 + wg, 128);
+        if (wg_leader) {
+          tma_store_2d(&tmap_c, box, nb * BN, mb * BM + wg * 64);
+          tma_store_commit();
         }
         continue;
       }

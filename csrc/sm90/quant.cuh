@@ -42,9 +42,19 @@ __device__ __forceinline__ void unpack8(const uint4& bits, bool fp16, float v[8]
   }
 }
 
-// SiLU(gate) * up of 8 packed 16-bit values each, packed the same way: vLLM's SiluAndMul in
-// the activations' dtype (silu in fp32, rounded; the product of two 16-bit floats, exact in
-// fp32, rounded once), as fp8linear.swiglu_quant.silu_mul_reference.
+// SiLU(g) * u of one gate and up value, both already 16-bit values: vLLM's SiluAndMul in the
+// activations' dtype (silu in fp32, rounded; the product of two 16-bit floats, exact in fp32,
+// rounded once by the caller's packing), as fp8linear.swiglu_quant.silu_mul_reference. The
+// division is the approximate one (2 ulp), as Triton's `/`: IEEE division's ~10 instructions
+// a value made the fused gate_up epilogue cost the grouped GEMM 4-8% (docs/tuning.md:
+// moe-prefill-fused-act).
+__device__ __forceinline__ float silu_mul1(float g, float u, bool fp16) {
+  const float silu = __fdividef(g, 1.f + __expf(-g));
+  return u * (fp16 ? __half2float(__float2half_rn(silu))
+                   : __bfloat162float(__float2bfloat16_rn(silu)));
+}
+
+// SiLU(gate) * up of 8 packed 16-bit values each, packed the same way (silu_mul1).
 __device__ __forceinline__ uint4 silu_mul8(const uint4& gate, const uint4& up, bool fp16) {
   float g[8], u[8];
   unpack8(gate, fp16, g);
@@ -54,11 +64,7 @@ __device__ __forceinline__ uint4 silu_mul8(const uint4& gate, const uint4& up, b
   for (int q = 0; q < 4; ++q) {
     float h[2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const float a = g[2 * q + i], silu = a / (1.f + __expf(-a));
-      h[i] = (fp16 ? __half2float(__float2half_rn(silu))
-                   : __bfloat162float(__float2bfloat16_rn(silu))) * u[2 * q + i];
-    }
+    for (int i = 0; i < 2; ++i) h[i] = silu_mul1(g[2 * q + i], u[2 * q + i], fp16);
     if (fp16) {
       const __half2 v = __floats2half2_rn(h[0], h[1]);
       w[q] = *reinterpret_cast<const uint32_t*>(&v);

@@ -33,6 +33,7 @@ def test_exploration_methods_force_the_plan_pieces_they_name():
     assert bench_moe.forced_pieces("decode") == {"prefill": False}
     assert bench_moe.forced_pieces("slots") == {"slot_tiles": True}
     assert bench_moe.forced_pieces("sorted") == {"slot_tiles": False}
+    assert bench_moe.forced_pieces("unfused") == {"fused_act": False}
     assert bench_moe.forced_pieces("g8") == {"group_m": 8}
     with pytest.raises(ValueError, match=r"^unknown forced piece 'fast'$"):
         bench_moe.forced_pieces("fast")

@@ -37,9 +37,10 @@ def _layout(entry: str, names: tuple) -> struct.Struct:
 _QUANT = _layout("quant", ("x", "q", "scale_t", "stream", "x_dtype", "scale_ld", "m", "k",
                            "pdl", "device"))
 _GEMM = _layout("gemm", ("a", "a_scale_t", "w", "w_scale", "bias", "out", "stream",
-                         "tile_expert", "row_token", "ws_floats", "tiles", "a_dtype", "a_scale_ld",
-                         "per_row", "bias_f32", "out_dtype", "m", "n", "k", "config", "pdl",
-                         "quant_pdl", "early_b", "group_m", "experts", "device"))
+                         "tile_expert", "row_token", "out_scale_t", "ws_floats", "tiles",
+                         "a_dtype", "a_scale_ld", "out_scale_ld", "per_row", "bias_f32",
+                         "out_dtype", "m", "n", "k", "config", "pdl", "quant_pdl", "early_b",
+                         "group_m", "experts", "device"))
 _DECODE = _layout("decode", ("x", "x_scale", "w", "w_scale", "bias", "out", "stream",
                              "tile_expert", "ws_floats", "tiles", "x_dtype", "xs_stride_m",
                              "xs_stride_kb", "per_row", "bias_f32", "out_dtype", "m", "n", "k",
@@ -90,23 +91,29 @@ class Library:
         _check(self._gemm(_GEMM.pack(
             a.data_ptr(), 0 if a_scale_t is None else a_scale_t.data_ptr(), w.data_ptr(),
             w_scale.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-            _stream(dev), 0, 0, ws_floats, tiles, _IN[a.dtype],
-            0 if a_scale_t is None else a_scale_t.stride(0), per_row,
+            _stream(dev), 0, 0, 0, ws_floats, tiles, _IN[a.dtype],
+            0 if a_scale_t is None else a_scale_t.stride(0), 0, per_row,
             bias is not None and bias.dtype == torch.float32, _OUT[out.dtype], a.shape[0],
             w.shape[0], w.shape[1], config, pdl, quant_pdl, early_b, group_m, 1, dev)))
 
     def grouped_prefill(self, a, a_scale, w, w_scale, out, tile_expert, row_token, group_m,
-                        pdl) -> None:
+                        pdl, out_scale=None, dtype=None) -> None:
         # the grouped expert GEMM for many tokens an expert (backends/sm90/moe.py): fp8 a
         # sorted by expert in 128-row tiles, a_scale (m, kb) a view of token-minor
         # [kb, ld] scales, tile_expert int32 [m / 128], row_token int64 [m] (-1: padding),
-        # w [E, n, k], 128x128 w_scale [E, ...]; group_m: the tile order's band of M blocks
+        # w [E, n, k], 128x128 w_scale [E, ...]; group_m: the tile order's band of M blocks.
+        # out_scale: gate_up (n = 2I) with SiLU-and-mul + quantization fused: out fp8 h
+        # [m, I], out_scale (m, I / 128) a view of token-minor scales; dtype: the
+        # activations' (gate and up round to it first)
         dev = a.device.index
+        fused = out_scale is not None
         _check(self._gemm(_GEMM.pack(
             a.data_ptr(), a_scale.data_ptr(), w.data_ptr(), w_scale.data_ptr(), 0,
-            out.data_ptr(), _stream(dev), tile_expert.data_ptr(), row_token.data_ptr(), 0, 0,
-            _IN[a.dtype], a_scale.stride(1), False, False, _OUT[out.dtype], a.shape[0],
-            w.shape[1], w.shape[2], MOE_PREFILL_CONFIG, pdl, False, 0, group_m, w.shape[0], dev)))
+            out.data_ptr(), _stream(dev), tile_expert.data_ptr(), row_token.data_ptr(),
+            out_scale.data_ptr() if fused else 0, 0, 0, _IN[a.dtype], a_scale.stride(1),
+            out_scale.stride(1) if fused else 0, False, False,
+            _OUT[dtype if fused else out.dtype], a.shape[0], w.shape[1], w.shape[2],
+            MOE_PREFILL_CONFIG, pdl, False, 0, group_m, w.shape[0], dev)))
 
     def decode(self, x, x_scale, w, w_scale, per_row, bias, out, ws_floats, tiles, config, rows,
                splits, ctas_per_sm, pdl, early_trigger, quant_first) -> None:

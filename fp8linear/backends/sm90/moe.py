@@ -2,11 +2,12 @@
 between (backends/triton/moe.py), in fp8linear.moe_routing's pipeline. Two grouped GEMMs:
 few tokens an expert run the decode kernel over every active expert's weights in one launch
 (csrc/sm90/moe.cu); 128-token tiles run the persistent large-M kernel over the experts'
-tiles (csrc/sm90/gemm.cu: launch_moe_prefill). One token, or a few (slot tiles), skip the
-sorting: three launches, the decode kernel a (token, slot) pair a tile reading its token's
-row itself (gate_up), then its pair's gate_up row with SiLU-and-mul (down), then the combine
-(in down's epilogue it measured no faster: the last CTA's serial sum costs what the launch
-did).
+tiles (csrc/sm90/gemm.cu: launch_moe_prefill), gate_up's with SiLU-and-mul and the
+quantization of h in its epilogue (no SiLU-and-mul launch). One token, or a few (slot
+tiles), skip the sorting: three launches, the decode kernel a (token, slot) pair a tile
+reading its token's row itself (gate_up), then its pair's gate_up row with SiLU-and-mul
+(down), then the combine (in down's epilogue it measured no faster: the last CTA's serial
+sum costs what the launch did).
 
 ``moe_plan`` picks the token tile and each GEMM's K splits by ordered rules (ids and reasons
 below, measurements in docs/tuning.md), from the shapes alone: routing is not known on the
@@ -59,6 +60,7 @@ class MoePlan:
     prefill: bool = False    # moe-prefill: both GEMMs on the persistent large-M kernel
     parallel_route: bool = False  # moe-route-parallel: routing in three parallel launches
     slot_tiles: bool = False      # moe-slot-tiles: no routing, a tile a (token, slot) pair
+    fused_act: bool = False       # moe-prefill-fused-act: SiLU-and-mul + quant in gate_up
     rule: str = dataclasses.field(default="", compare=False)
 
     @property
@@ -143,8 +145,12 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
     # the slots grows with them (measured crossover 128-512)
     parallel = slots >= PARALLEL_ROUTE_MIN_SLOTS
     rule += "+moe-pdl" if prefill else "+moe-split-fill+moe-pdl"
+    # moe-prefill-fused-act: the prefill kernel's gate_up writes h = SiLU(gate) * up quantized
+    # (its epilogue), not gate_up in x's dtype for a SiLU-and-mul launch to read back
+    rule += "+moe-prefill-fused-act" if prefill else ""
     return MoePlan(config, gemm(2 * inter, hidden), gemm(hidden, inter), True, prefill,
-                   parallel, slot_tiles, rule + ("+moe-route-parallel" if parallel else ""))
+                   parallel, slot_tiles, prefill,
+                   rule + ("+moe-route-parallel" if parallel else ""))
 
 
 def prefill_takes(hidden: int, inter: int) -> bool:
@@ -158,10 +164,11 @@ _forced: dict = {}
 @contextlib.contextmanager
 def forced(token_tile: int | None = None, splits: int | None = None, pdl: bool | None = None,
            prefill: bool | None = None, slot_tiles: bool | None = None,
-           group_m: int | None = None):
+           group_m: int | None = None, fused_act: bool | None = None):
     """Overrides the rules' token tile, both GEMMs' K splits, PDL, the prefill kernel (which
     takes 128-token tiles only), the slot tiles (8-token tiles, not with the prefill
-    kernel) and the prefill kernel's tile order band (benchmarks, tests)."""
+    kernel), the prefill kernel's tile order band and its SiLU-and-mul epilogue (benchmarks,
+    tests)."""
     if token_tile is not None and token_tile not in DECODE_TILES:
         raise ValueError(f"token_tile must be one of {DECODE_TILES}, got {token_tile}")
     if slot_tiles and (prefill or token_tile not in (None, DECODE_TILES[0])):
@@ -178,7 +185,8 @@ def forced(token_tile: int | None = None, splits: int | None = None, pdl: bool |
     old = dict(_forced)
     _forced.update({k: v for k, v in (("token_tile", token_tile), ("splits", splits),
                                       ("pdl", pdl), ("prefill", prefill),
-                                      ("slot_tiles", slot_tiles), ("group_m", group_m))
+                                      ("slot_tiles", slot_tiles), ("group_m", group_m),
+                                      ("fused_act", fused_act))
                    if v is not None})
     try:
         yield
@@ -205,7 +213,7 @@ def _apply_forced(plan: MoePlan, hidden: int, inter: int) -> MoePlan:
         return GroupedGemmPlan(splits, 2 if bt <= TWO_PER_SM_MAX_BT else 1, group_m)
     return MoePlan(config, g(plan.gate_up, hidden), g(plan.down, inter),
                    _forced.get("pdl", plan.pdl), prefill, plan.parallel_route, plan.slot_tiles,
-                   "forced")
+                   prefill and _forced.get("fused_act", True), "forced")
 
 
 def supported(hidden: int, inter: int, block_scales: bool) -> bool:
@@ -277,10 +285,21 @@ def _slot_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, plan: Moe
     return triton_moe.combine(y, None, topk_weights, out, topk_ids)
 
 
+def _gate_up_silu_quant(plan: MoePlan):
+    def run(a, a_scale, w13, w13_scale, r: Routing, dtype):
+        q, scale_t = triton_moe.sorted_buffers(r, w13.shape[1] // 2, a.device)
+        scale = scale_t[:, :r.rows].t()
+        library.load().grouped_prefill(a, a_scale, w13, w13_scale, q, r.tile_expert,
+                                       r.row_token, plan.gate_up.group_m, plan.pdl, scale,
+                                       dtype)
+        return q, scale
+    return run
+
+
 @functools.lru_cache(maxsize=None)
 def stages(plan: MoePlan) -> Stages:
     route = triton_moe.route_parallel if plan.parallel_route else triton_moe.route
     return Stages(route, triton_moe.gather_quant, _grouped_gemm(plan), triton_moe.silu_mul_quant,
-                  triton_moe.combine)
+                  triton_moe.combine, _gate_up_silu_quant(plan) if plan.fused_act else None)
 
 

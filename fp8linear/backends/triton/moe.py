@@ -251,7 +251,7 @@ def gather_quant(x: torch.Tensor, r: Routing, groups: int | None = None):
     benchmarks)."""
     m, k = x.shape
     kb = cdiv(k, BLOCK)
-    q, scale_t = _sorted_buffers(r, k, x.device)
+    q, scale_t = sorted_buffers(r, k, x.device)
     cg, gr = pair_split(kb, m, groups)
     pdl = pdl_available(x.device)
     _gather_quant_kernel[(cdiv(m, gr // cg), cdiv(kb, cg))](
@@ -260,7 +260,7 @@ def gather_quant(x: torch.Tensor, r: Routing, groups: int | None = None):
     return q, scale_t[:, :r.rows].t()
 
 
-def _sorted_buffers(r: Routing, k: int, device):
+def sorted_buffers(r: Routing, k: int, device):
     """fp8 [R, k] and its token-minor scales [ceil(k / 128), R rounded up to 4] (the GEMMs'
     16-byte aligned scale rows) for the sorted rows."""
     return (torch.empty(r.rows, k, dtype=FP8_DTYPE, device=device),
@@ -313,7 +313,7 @@ def silu_mul_quant(gate_up: torch.Tensor, r: Routing, groups: int | None = None)
     numerics of fp8linear.swiglu_quant): (fp8 [R, I], scale [R, Ib] as a view of the
     token-minor [Ib, ld]); the other rows are not written. ``groups``: as gather_quant's."""
     d = gate_up.shape[1] // 2
-    q, scale_t = _sorted_buffers(r, d, gate_up.device)
+    q, scale_t = sorted_buffers(r, d, gate_up.device)
     slots = r.slot_row.numel()
     cg, gr = pair_split(cdiv(d, BLOCK), slots, groups)
     pdl = pdl_available(gate_up.device)

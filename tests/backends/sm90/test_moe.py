@@ -133,12 +133,27 @@ def _assert_rows_match_fp64(a64, experts, w, w_scale, got):
 
 
 def _check_grouped(calls):
-    """Each grouped GEMM's output rows of real tokens against fp64 of its own inputs."""
+    """Each grouped GEMM's output rows of real tokens against fp64 of its own inputs. gate_up
+    with SiLU-and-mul + quantization in its epilogue (out: (fp8 h, its scales, gate_up)):
+    gate_up (the same kernel without the epilogue) against fp64, h against silu_mul_quant of
+    that gate_up (fp8 rounding would turn gate_up's last-bit differences from fp64 into
+    whole fp8 steps)."""
+    from fp8linear import silu_mul_quant
     for a, a_scale, w, w_scale, r, out in calls:
         rows = (r.row_token >= 0).nonzero().flatten().cpu()
         experts = r.tile_expert.cpu()[rows // r.token_tile].long().tolist()
-        _assert_rows_match_fp64(R.dequant(a.cpu()[rows], a_scale.cpu()[rows]), experts, w,
-                                w_scale, out.cpu()[rows])
+        a64 = R.dequant(a.cpu()[rows], a_scale.cpu()[rows])
+        hq, h_scale, out = out if isinstance(out, tuple) else (None, None, out)
+        _assert_rows_match_fp64(a64, experts, w, w_scale, out.cpu()[rows])
+        if hq is None:
+            continue
+        want_q, want_st = silu_mul_quant(out[rows.cuda()])
+        want = R.dequant(want_q.cpu(), want_st[:, :len(rows)].t().cpu())
+        got_q, got = hq.cpu()[rows], R.dequant(hq.cpu()[rows], h_scale.cpu()[rows])
+        assert torch.isfinite(got).all()
+        # (silu's exp and division on the GPU against torch's may move a value by an fp8 step)
+        same = (got_q.view(torch.uint8) == want_q.cpu().view(torch.uint8)).float().mean()
+        assert same >= 0.999 and R.rel_err(got, want) <= 1e-3, (same, R.rel_err(got, want))
 
 
 @pytest.mark.gpu
@@ -156,11 +171,16 @@ def test_slot_tiles_match_fp64(m, e, top_k, h, inter, routing, dtype, ids_dtype,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused_act", [True, False])
 @pytest.mark.parametrize("m,e,top_k,h,inter,routing,dtype", PREFILL_CASES)
-def test_prefill_kernel_matches_fp64(m, e, top_k, h, inter, routing, dtype, monkeypatch):
+def test_prefill_kernel_matches_fp64(m, e, top_k, h, inter, routing, dtype, fused_act,
+                                     monkeypatch):
+    # fused_act: gate_up's epilogue writes h = SiLU(gate) * up quantized (the rule), or
+    # gate_up for the SiLU-and-mul launch (forced off)
     from fp8linear.backends.sm90 import moe as sm90_moe
-    with sm90_moe.forced(prefill=True):
-        _check_case(m, e, top_k, h, inter, routing, dtype, monkeypatch, prefill=True)
+    with sm90_moe.forced(prefill=True, fused_act=fused_act):
+        _check_case(m, e, top_k, h, inter, routing, dtype, monkeypatch, prefill=True,
+                    fused_act=fused_act)
 
 
 def _check_slots(calls, x, ids, wts, out):
@@ -187,7 +207,7 @@ def _check_slots(calls, x, ids, wts, out):
 
 
 def _check_case(m, e, top_k, h, inter, routing, dtype, monkeypatch, prefill=None,
-                ids_dtype=torch.int64):
+                ids_dtype=torch.int64, fused_act=None):
     from fp8linear.backends.sm90 import library
     from fp8linear.backends.sm90 import moe as sm90_moe
     assert dispatch.moe_backend(torch.device("cuda"), h, inter, True) == "sm90"
@@ -208,12 +228,22 @@ def _check_case(m, e, top_k, h, inter, routing, dtype, monkeypatch, prefill=None
     def spied(plan):  # record each grouped GEMM's inputs and output
         if prefill is not None:
             assert plan.prefill == prefill
+        if fused_act is not None:
+            assert plan.fused_act == fused_act
         st = real(plan)
 
         def gemm(a, a_scale, w, w_scale, r, out, which):
             st.grouped_gemm(a, a_scale, w, w_scale, r, out, which)
             calls.append((a, a_scale, w, w_scale, r, out.clone()))
-        return dataclasses.replace(st, grouped_gemm=gemm)
+
+        def gate_up_silu_quant(a, a_scale, w, w_scale, r, dtype):
+            hq, h_scale = st.gate_up_silu_quant(a, a_scale, w, w_scale, r, dtype)
+            gate_up = torch.empty(r.rows, w.shape[1], dtype=dtype, device=a.device)
+            st.grouped_gemm(a, a_scale, w, w_scale, r, gate_up, 0)  # (without the epilogue)
+            calls.append((a, a_scale, w, w_scale, r, (hq.clone(), h_scale.clone(), gate_up)))
+            return hq, h_scale
+        return dataclasses.replace(st, grouped_gemm=gemm, gate_up_silu_quant=(
+            gate_up_silu_quant if st.gate_up_silu_quant is not None else None))
 
     monkeypatch.setattr(sm90_moe, "stages", spied)
     _poison_cache()
@@ -314,6 +344,7 @@ def test_forced_pieces_are_checked_and_restored():
         plan = sm90_moe._apply_forced(moe_plan(2, 8, 128, 2048, 768, 132), 2048, 768)
         assert (plan.token_tile, plan.pdl, plan.gate_up.ctas_per_sm, plan.rule) == (
             64, False, 1, "forced")
+        assert not plan.fused_act  # (the decode kernel has no such epilogue)
     with pytest.raises(ValueError, match=r"^the prefill kernel takes 128-token tiles, got 64$"):
         with sm90_moe.forced(token_tile=64, prefill=True):
             pass
@@ -331,6 +362,10 @@ def test_forced_pieces_are_checked_and_restored():
         with sm90_moe.forced(group_m=5):
             plan = sm90_moe._apply_forced(moe_plan(2, 8, 128, 2048, 768, 132), 2048, 768)
             assert (plan.gate_up.group_m, plan.down.group_m) == (5, 5)
+        assert plan.fused_act  # (the prefill kernel's epilogue, unless forced off)
+        with sm90_moe.forced(fused_act=False):
+            plan = sm90_moe._apply_forced(moe_plan(2, 8, 128, 2048, 768, 132), 2048, 768)
+            assert plan.prefill and not plan.fused_act
         with pytest.raises(ValueError, match=r"^the prefill kernel needs hidden and 2 \* "
                                              r"intermediate multiples of 128, got 2080, 768$"):
             sm90_moe._apply_forced(moe_plan(1, 8, 128, 2080, 768, 132), 2080, 768)
@@ -347,6 +382,10 @@ def test_prefill_kernel_from_32_tokens_an_expert_24_if_wide(model, m, prefill):
     plan = moe_plan(m, k, e, h, inter, 132)
     assert plan.prefill == prefill and ("moe-prefill" in plan.rule) == prefill
     assert plan.token_tile == 128 or not prefill
+    # moe-prefill-fused-act: SiLU-and-mul + quantization in gate_up's epilogue
+    assert plan.fused_act == prefill and ("moe-prefill-fused-act" in plan.rule) == prefill
+    from fp8linear.backends.sm90 import moe as sm90_moe
+    assert (sm90_moe.stages(plan).gate_up_silu_quant is not None) == prefill
     if prefill:  # no K splits: the persistent kernel walks whole K
         assert plan.gate_up == plan.down == GroupedGemmPlan(1, 1)
     # hidden sizes off the 128 grid keep the decode kernel
@@ -406,18 +445,29 @@ def test_grouped_entry_points_refuse_bad_arguments_before_launching():
     refused(r"moe prefill: grouped GEMMs need tile_expert and row_token", lambda: library._check(
         lib._gemm(library._GEMM.pack(
             a.data_ptr(), a_scale.data_ptr(), w.data_ptr(), ws.data_ptr(), 0, out.data_ptr(),
-            library._stream(0), tiles.data_ptr(), 0, 0, 0, library._IN[a.dtype],
-            a_scale.stride(1), False, False, library._OUT[out.dtype], 256, n, k,
+            library._stream(0), tiles.data_ptr(), 0, 0, 0, 0, library._IN[a.dtype],
+            a_scale.stride(1), 0, False, False, library._OUT[out.dtype], 256, n, k,
             library.MOE_PREFILL_CONFIG, False, False, 0, 1, e, 0))))
     # 16-bit activations (no scales) are not quantized for the grouped kernel: refused
     bf = torch.zeros(256, k, dtype=torch.bfloat16, device="cuda")
     refused(r"moe prefill: grouped GEMMs take fp8 activations", lambda: library._check(
         lib._gemm(library._GEMM.pack(
             bf.data_ptr(), 0, w.data_ptr(), ws.data_ptr(), 0, out.data_ptr(),
-            library._stream(0), tiles.data_ptr(), row_token.data_ptr(), 0, 0,
-            library._IN[bf.dtype], 0, False,
+            library._stream(0), tiles.data_ptr(), row_token.data_ptr(), 0, 0, 0,
+            library._IN[bf.dtype], 0, 0, False,
             False, library._OUT[out.dtype], 256, n, k, library.MOE_PREFILL_CONFIG, False,
             False, 0, 1, e, 0))))
+    # SiLU-and-mul in gate_up's epilogue: whole 128-channel groups of h, 16-byte scale rows
+    hq = torch.zeros(256, n // 2, dtype=torch.float8_e4m3fn, device="cuda")
+    h_scale = torch.full((n // 256, 256), float("nan"), device="cuda")
+    refused(r"moe prefill: SiLU-and-mul: N \(2I\) must be a multiple of 256",
+            lambda: lib.grouped_prefill(a, a_scale, w[:, :128], ws, hq[:, :64], tiles,
+                                        row_token, 1, False, h_scale.t(), torch.bfloat16))
+    short = torch.full((n // 256, 252), float("nan"), device="cuda")  # rows of 252 < M
+    refused(r"moe prefill: out_scale_ld must be >= M and % 4",
+            lambda: lib.grouped_prefill(a, a_scale, w, ws, hq, tiles, row_token, 1, False,
+                                        short.t(), torch.bfloat16))
+    assert torch.isnan(h_scale).all()
     refused(r"M must be whole token tiles",
             lambda: lib.grouped(a[:100], a_scale[:100], w, ws, out[:100], tiles, 0, 4, 4, 1,
                                 1, False))
