@@ -40,6 +40,7 @@ PREFILL_MIN_TOKENS_WIDE = 24  # hidden >= TILE_2X_MIN_HIDDEN
 PREFILL_BAND = 4
 PREFILL_BAND_MIN_BYTES = 64 << 20
 PARALLEL_ROUTE_MIN_SLOTS = 256
+FUSED_ACT_MAX_HIDDEN = 4096
 SLOT_TILES_MAX_REREAD_BYTES = 30e6
 SLOT_TILES_MAX_KBS = 64
 
@@ -145,11 +146,14 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
     # the slots grows with them (measured crossover 128-512)
     parallel = slots >= PARALLEL_ROUTE_MIN_SLOTS
     rule += "+moe-pdl" if prefill else "+moe-split-fill+moe-pdl"
-    # moe-prefill-fused-act: the prefill kernel's gate_up writes h = SiLU(gate) * up quantized
-    # (its epilogue), not gate_up in x's dtype for a SiLU-and-mul launch to read back
-    rule += "+moe-prefill-fused-act" if prefill else ""
+    # moe-prefill-fused-act: hidden <= 4096, the prefill kernel's gate_up writes h = SiLU(gate)
+    # * up quantized (its epilogue), not gate_up in x's dtype for a SiLU-and-mul launch to read
+    # back (measured 1-5% faster at hidden 2048 to 2048 tokens, level at 4096; level or slower
+    # at 7168, whose longer K loops make the stage it saves weigh less than its epilogue)
+    fused_act = prefill and hidden <= FUSED_ACT_MAX_HIDDEN
+    rule += "+moe-prefill-fused-act" if fused_act else ""
     return MoePlan(config, gemm(2 * inter, hidden), gemm(hidden, inter), True, prefill,
-                   parallel, slot_tiles, prefill,
+                   parallel, slot_tiles, fused_act,
                    rule + ("+moe-route-parallel" if parallel else ""))
 
 
@@ -213,7 +217,8 @@ def _apply_forced(plan: MoePlan, hidden: int, inter: int) -> MoePlan:
         return GroupedGemmPlan(splits, 2 if bt <= TWO_PER_SM_MAX_BT else 1, group_m)
     return MoePlan(config, g(plan.gate_up, hidden), g(plan.down, inter),
                    _forced.get("pdl", plan.pdl), prefill, plan.parallel_route, plan.slot_tiles,
-                   prefill and _forced.get("fused_act", True), "forced")
+                   prefill and _forced.get("fused_act", hidden <= FUSED_ACT_MAX_HIDDEN),
+                   "forced")
 
 
 def supported(hidden: int, inter: int, block_scales: bool) -> bool:

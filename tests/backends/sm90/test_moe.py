@@ -382,10 +382,11 @@ def test_prefill_kernel_from_32_tokens_an_expert_24_if_wide(model, m, prefill):
     plan = moe_plan(m, k, e, h, inter, 132)
     assert plan.prefill == prefill and ("moe-prefill" in plan.rule) == prefill
     assert plan.token_tile == 128 or not prefill
-    # moe-prefill-fused-act: SiLU-and-mul + quantization in gate_up's epilogue
-    assert plan.fused_act == prefill and ("moe-prefill-fused-act" in plan.rule) == prefill
+    # moe-prefill-fused-act: SiLU-and-mul + quantization in gate_up's epilogue, to hidden 4096
+    fused = prefill and h <= 4096
+    assert plan.fused_act == fused and ("moe-prefill-fused-act" in plan.rule) == fused
     from fp8linear.backends.sm90 import moe as sm90_moe
-    assert (sm90_moe.stages(plan).gate_up_silu_quant is not None) == prefill
+    assert (sm90_moe.stages(plan).gate_up_silu_quant is not None) == fused
     if prefill:  # no K splits: the persistent kernel walks whole K
         assert plan.gate_up == plan.down == GroupedGemmPlan(1, 1)
     # hidden sizes off the 128 grid keep the decode kernel
