@@ -205,6 +205,9 @@ def _apply_forced(plan: MoePlan, hidden: int, inter: int) -> MoePlan:
     if prefill and not prefill_takes(hidden, inter):
         raise ValueError(f"the prefill kernel needs hidden and 2 * intermediate multiples of "
                          f"{PREFILL_TILE_N}, got {hidden}, {inter}")
+    if _forced.get("fused_act") and not prefill:
+        raise ValueError("the SiLU-and-mul epilogue is the prefill kernel's: fused_act=True "
+                         "needs prefill, got the decode kernel's plan")
     if "token_tile" in _forced:
         config = DECODE_TILES.index(_forced["token_tile"])
     if prefill:

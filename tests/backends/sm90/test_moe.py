@@ -369,6 +369,11 @@ def test_forced_pieces_are_checked_and_restored():
         with pytest.raises(ValueError, match=r"^the prefill kernel needs hidden and 2 \* "
                                              r"intermediate multiples of 128, got 2080, 768$"):
             sm90_moe._apply_forced(moe_plan(1, 8, 128, 2080, 768, 132), 2080, 768)
+    with pytest.raises(ValueError, match=r"^the SiLU-and-mul epilogue is the prefill kernel's: "
+                                         r"fused_act=True needs prefill, got the decode "
+                                         r"kernel's plan$"):
+        with sm90_moe.forced(fused_act=True):
+            sm90_moe._apply_forced(moe_plan(2, 8, 128, 2048, 768, 132), 2048, 768)
     assert sm90_moe._forced == {}
 
 
