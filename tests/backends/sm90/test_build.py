@@ -483,14 +483,15 @@ def _shared_library(tmp_path: Path, abi: int) -> Path:
 
 @needs_cxx
 def test_library_refuses_another_interface_version(tmp_path):
-    (tmp_path / "v7").mkdir()
-    (tmp_path / "v1").mkdir()
-    path = _shared_library(tmp_path / "v7", abi=7)
-    with raises_exactly(build.BuildError, f"fp8linear: {path} has interface version 7, "
+    other = library.ABI_VERSION + 1  # (a library built from other sources)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "ours").mkdir()
+    path = _shared_library(tmp_path / "other", abi=other)
+    with raises_exactly(build.BuildError, f"fp8linear: {path} has interface version {other}, "
                                           f"expected {library.ABI_VERSION}; delete it to "
                                           f"rebuild"):
         library.Library(path)
-    ok = _shared_library(tmp_path / "v1", abi=library.ABI_VERSION)
+    ok = _shared_library(tmp_path / "ours", abi=library.ABI_VERSION)
     assert library.Library(ok).path == ok
 
 
