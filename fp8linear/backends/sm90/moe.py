@@ -150,7 +150,7 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
     # * up quantized (its epilogue), not gate_up in x's dtype for a SiLU-and-mul launch to read
     # back (measured 1-5% faster at hidden 2048 to 2048 tokens, level at 4096; level or slower
     # at 7168, whose longer K loops make the stage it saves weigh less than its epilogue)
-    fused_act = prefill and hidden <= FUSED_ACT_MAX_HIDDEN
+    fused_act = prefill and fused_act_takes(hidden)
     rule += "+moe-prefill-fused-act" if fused_act else ""
     return MoePlan(config, gemm(2 * inter, hidden), gemm(hidden, inter), True, prefill,
                    parallel, slot_tiles, fused_act,
@@ -160,6 +160,12 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
 def prefill_takes(hidden: int, inter: int) -> bool:
     """Whether the prefill kernel takes both GEMMs: whole 128-column tiles of outputs."""
     return hidden % PREFILL_TILE_N == 0 and 2 * inter % PREFILL_TILE_N == 0
+
+
+def fused_act_takes(hidden: int) -> bool:
+    """Whether the prefill kernel's gate_up runs SiLU-and-mul + quantization in its epilogue
+    (moe-prefill-fused-act; the plan rule and a forced prefill kernel alike)."""
+    return hidden <= FUSED_ACT_MAX_HIDDEN
 
 
 _forced: dict = {}
@@ -220,7 +226,7 @@ def _apply_forced(plan: MoePlan, hidden: int, inter: int) -> MoePlan:
         return GroupedGemmPlan(splits, 2 if bt <= TWO_PER_SM_MAX_BT else 1, group_m)
     return MoePlan(config, g(plan.gate_up, hidden), g(plan.down, inter),
                    _forced.get("pdl", plan.pdl), prefill, plan.parallel_route, plan.slot_tiles,
-                   prefill and _forced.get("fused_act", hidden <= FUSED_ACT_MAX_HIDDEN),
+                   prefill and _forced.get("fused_act", fused_act_takes(hidden)),
                    "forced")
 
 
