@@ -113,10 +113,7 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   cudaError_t err = ensure_smem_limit<kernel>(L::kAlloc);
   if (err != cudaSuccess) return cudaGetErrorString(err);
   // persistent: one CTA per SM (per cluster slot), never more CTAs than work units need
-  const int tiles_m = (g.M + BM - 1) / BM;
-  const int tiles_n = kSwiglu ? g.N / (2 * BN) : (g.N + BN - 1) / BN;
-  const int units = kShareA ? tiles_m * ((tiles_n + CLUSTER - 1) / CLUSTER)
-                            : ((tiles_m + CLUSTER - 1) / CLUSTER) * tiles_n;
+  const int units = Units(g.M, g.N, BM, BN, CLUSTER, kShareA, kSwiglu).count();
   int slots = g.num_sms / CLUSTER * CLUSTER;
   if (CLUSTER > 1) slots = max_cluster_ctas<kernel>(CLUSTER, L::kAlloc, kThreads, g.num_sms);
   int grid = units * CLUSTER < slots ? units * CLUSTER : slots;

@@ -131,6 +131,21 @@ __device__ __forceinline__ void tile_coords(int t, int num_m, int num_n, int gro
   nb = r / gm;
 }
 
+// The work units of a launch (the kernel's tile walk and the host's grid size): M and N
+// blocks, a SiLU-and-mul block taking 2 * BN rows of B (BN gate over BN up), and CLUSTER
+// adjacent tiles a unit (along N when they share A, else along M).
+struct Units {
+  int num_m, num_n, num_um, num_un;
+  __host__ __device__ __forceinline__ Units(int M, int N, int BM, int BN, int cluster,
+                                            bool share_a, bool swiglu) {
+    num_m = (M + BM - 1) / BM;
+    num_n = swiglu ? N / (2 * BN) : (N + BN - 1) / BN;
+    num_um = share_a ? num_m : (num_m + cluster - 1) / cluster;
+    num_un = share_a ? (num_n + cluster - 1) / cluster : num_n;
+  }
+  __host__ __device__ __forceinline__ int count() const { return num_um * num_un; }
+};
+
 // Split tail (kSplitTail): where whole tiles would leave the last wave ragged, its tiles are
 // split along K so that the last wave fills the SMs: each CTA walks whole tiles as without
 // it (every ctas-th from its own) up to dp_end, then at most one part of a tail tile: tail
@@ -234,11 +249,10 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
   // of the cluster. Computed in each role after its register reallocation: values live
   // across setmaxnreg are spilled (the kernel starts at 168 registers a thread).
 #define FP8L_TILE_WALK                                                            \
-  const int num_m = (p.M + BM - 1) / BM;                                          \
-  const int num_n = kSwiglu ? p.N / (2 * BN) : (p.N + BN - 1) / BN;              \
-  const int num_um = kShareA ? num_m : (num_m + CLUSTER - 1) / CLUSTER;           \
-  const int num_un = kShareA ? (num_n + CLUSTER - 1) / CLUSTER : num_n;           \
-  const int num_units = num_um * num_un;                                          \
+  const Units units_(p.M, p.N, BM, BN, CLUSTER, kShareA, kSwiglu);                \
+  const int num_m = units_.num_m, num_n = units_.num_n;                           \
+  const int num_um = units_.num_um, num_un = units_.num_un;                       \
+  const int num_units = units_.count();                                           \
   const int rank = CLUSTER > 1 ? int(cluster_ctarank()) : 0;                      \
   const int first_unit = blockIdx.x / CLUSTER;                                    \
   const int unit_stride = gridDim.x / CLUSTER;                                    \
@@ -643,7 +657,6 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
     };
     constexpr bool kIssueNext = true, kLast = false;
 
-
     // Tiles u: all K blocks of every unit_stride-th unit from first_unit; with kSplitTail those
     // below dp_end, then this CTA's part of a tail tile (nkb of its K blocks).
     // (the split is recomputed where it is used: kept live it cost the per-row tiles a spill)
@@ -768,9 +781,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
             for (int j = 0; j < 8; ++j) {
               float v[2];
               word_to_floats<OutT>(t == 0 ? h0[j] : h1[j][r], v);
-              const __nv_fp8x2_storage_t q = __nv_cvt_float2_to_fp8x2(
-                  make_float2(div_by_scale(v[0], gs), div_by_scale(v[1], gs)), __NV_SATFINITE,
-                  __NV_E4M3);
+              const __nv_fp8x2_storage_t q = quantize2(v[0], v[1], gs);
               const int c = 64 * t + 8 * j + col_q;  // byte in the 128-byte row: 128B swizzle
               *reinterpret_cast<__nv_fp8x2_storage_t*>(box + row * 128 +
                                                       (((c / 16) ^ (row % 8)) * 16) + c % 16) = q;

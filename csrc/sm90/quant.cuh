@@ -133,20 +133,20 @@ __device__ __forceinline__ float div_by_scale(float x, const GroupScale& g) {
   return copysignf(__fmaf_rn(r, g.rcp, q), x);
 }
 
-// x / scale rounded to nearest e4m3, saturating at +-448 (NaN stays NaN); n values (a multiple
-// of 2) packed little-endian into n / 4 words.
+// x / scale of two values, each rounded to nearest e4m3 and saturating at +-448 (NaN stays
+// NaN), packed little-endian.
+__device__ __forceinline__ __nv_fp8x2_storage_t quantize2(float a, float b, const GroupScale& g) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(div_by_scale(a, g), div_by_scale(b, g)),
+                                  __NV_SATFINITE, __NV_E4M3);
+}
+
+// quantize2 of n values (a multiple of 4) packed into n / 4 words.
 template <int n>
 __device__ __forceinline__ void quantize(const float* v, const GroupScale& g, uint32_t* out) {
 #pragma unroll
-  for (int w = 0; w < n / 4; ++w) {
-    const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
-        make_float2(div_by_scale(v[4 * w], g), div_by_scale(v[4 * w + 1], g)), __NV_SATFINITE,
-        __NV_E4M3);
-    const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
-        make_float2(div_by_scale(v[4 * w + 2], g), div_by_scale(v[4 * w + 3], g)),
-        __NV_SATFINITE, __NV_E4M3);
-    out[w] = uint32_t(lo) | (uint32_t(hi) << 16);
-  }
+  for (int w = 0; w < n / 4; ++w)
+    out[w] = uint32_t(quantize2(v[4 * w], v[4 * w + 1], g)) |
+             (uint32_t(quantize2(v[4 * w + 2], v[4 * w + 3], g)) << 16);
 }
 
 }  // namespace fp8l

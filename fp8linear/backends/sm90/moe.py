@@ -301,8 +301,7 @@ def _slot_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, plan: Moe
 
 def _gate_up_silu_quant(plan: MoePlan):
     def run(a, a_scale, w13, w13_scale, r: Routing, dtype):
-        q, scale_t = triton_moe.sorted_buffers(r, w13.shape[1] // 2, a.device)
-        scale = scale_t[:, :r.rows].t()
+        q, _, scale = triton_moe.sorted_buffers(r, w13.shape[1] // 2, a.device)
         library.load().grouped_prefill(a, a_scale, w13, w13_scale, q, r.tile_expert,
                                        r.row_token, plan.gate_up.group_m, plan.pdl, scale,
                                        dtype)

@@ -59,10 +59,11 @@ def _store_tile_experts(ends, experts, tile_expert_ptr, E: tl.constexpr, TILE: t
 
 @triton.jit
 def _chunk_hits(ids_ptr, b, S, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Chunk b's slots and their [BLOCK_S, BLOCK_E] one-hot experts (none past S)."""
+    """Chunk b's slots, their expert ids (-1 past S) and their [BLOCK_S, BLOCK_E] one-hot
+    experts."""
     slot = b * BLOCK_S + tl.arange(0, BLOCK_S)
     ids = tl.load(ids_ptr + slot, mask=slot < S, other=-1).to(tl.int32)
-    return slot, (ids[:, None] == tl.arange(0, BLOCK_E)[None, :]).to(tl.int32)
+    return slot, ids, (ids[:, None] == tl.arange(0, BLOCK_E)[None, :]).to(tl.int32)
 
 
 @triton.jit
@@ -71,12 +72,12 @@ def _place_chunk(ids_ptr, b, first, row_token_ptr, slot_row_ptr, S, TOP_K,
     """Chunk b's slots placed: a slot's row = ``first`` (its expert's first row for this
     chunk) + its rank among the chunk's slots of that expert. Returns the chunk's slots per
     expert."""
-    slot, hit = _chunk_hits(ids_ptr, b, S, BLOCK_E, BLOCK_S)
+    slot, ids, hit = _chunk_hits(ids_ptr, b, S, BLOCK_E, BLOCK_S)
     before = tl.cumsum(hit, axis=0) - hit                 # same expert, earlier in the chunk
     row = tl.sum((before + first[None, :]) * hit, axis=1)
     # (id -1: held elsewhere, no row; from the ids, not a sum over the one-hot rows: the
     # sum cost the one-program routing 2.3 us at 8 slots)
-    placed = tl.load(ids_ptr + slot, mask=slot < S, other=-1) >= 0
+    placed = ids >= 0
     tl.store(slot_row_ptr + slot, tl.where(placed, row, -1).to(tl.int64), mask=slot < S)
     tl.store(row_token_ptr + row, (slot // TOP_K).to(tl.int64), mask=(slot < S) & placed)
     return tl.sum(hit, axis=0)
@@ -101,7 +102,7 @@ def _route_kernel(ids_ptr, tile_expert_ptr, row_token_ptr, slot_row_ptr, S, TOP_
     # pass 1: slots per expert
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for b in range(0, chunks):
-        _, hit = _chunk_hits(ids_ptr, b, S, BLOCK_E, BLOCK_S)
+        _, _, hit = _chunk_hits(ids_ptr, b, S, BLOCK_E, BLOCK_S)
         counts += tl.sum(hit, axis=0)
     padded = (counts + TILE - 1) // TILE * TILE
     ends = tl.cumsum(padded, axis=0)
@@ -122,7 +123,7 @@ def _route_count_kernel(ids_ptr, counts_ptr, row_token_ptr, S, ROWS, FILL,
                         BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, USE_GDC: tl.constexpr):
     b = tl.program_id(0)
     pdl_acquire(USE_GDC, False)
-    _, hit = _chunk_hits(ids_ptr, b, S, BLOCK_E, BLOCK_S)
+    _, _, hit = _chunk_hits(ids_ptr, b, S, BLOCK_E, BLOCK_S)
     pdl_release(USE_GDC, False)
     tl.store(counts_ptr + b * BLOCK_E + tl.arange(0, BLOCK_E), tl.sum(hit, axis=0))
     # every sorted row starts as padding (this chunk's share of them; placed in a later launch)
@@ -251,21 +252,23 @@ def gather_quant(x: torch.Tensor, r: Routing, groups: int | None = None):
     benchmarks)."""
     m, k = x.shape
     kb = cdiv(k, BLOCK)
-    q, scale_t = sorted_buffers(r, k, x.device)
+    q, scale_t, scale = sorted_buffers(r, k, x.device)
     cg, gr = pair_split(kb, m, groups)
     pdl = pdl_available(x.device)
     _gather_quant_kernel[(cdiv(m, gr // cg), cdiv(kb, cg))](
         x, r.slot_row, q, scale_t, scale_t.shape[1], m, k, r.slot_row.shape[1], cg, gr,
         FP8_MAX, AMAX_EPS, needs_round_first(x.device), pdl, num_warps=4, launch_pdl=pdl)
-    return q, scale_t[:, :r.rows].t()
+    return q, scale
 
 
 def sorted_buffers(r: Routing, k: int, device):
-    """fp8 [R, k] and its token-minor scales [ceil(k / 128), R rounded up to 4] (the GEMMs'
-    16-byte aligned scale rows) for the sorted rows."""
-    return (torch.empty(r.rows, k, dtype=FP8_DTYPE, device=device),
-            torch.empty(cdiv(k, BLOCK), cdiv(r.rows, 4) * 4, dtype=torch.float32,
-                        device=device))
+    """For the sorted rows: fp8 [R, k], its token-minor scales [ceil(k / 128), R rounded up
+    to 4] (the GEMMs' 16-byte aligned scale rows, which the kernels write) and those scales
+    as the [R, ceil(k / 128)] view the GEMMs read."""
+    scale_t = torch.empty(cdiv(k, BLOCK), cdiv(r.rows, 4) * 4, dtype=torch.float32,
+                          device=device)
+    return (torch.empty(r.rows, k, dtype=FP8_DTYPE, device=device), scale_t,
+            scale_t[:, :r.rows].t())
 
 
 # The gather and SiLU-and-mul programs take (row, 128-channel group) pairs: from 4096 pairs
@@ -313,14 +316,14 @@ def silu_mul_quant(gate_up: torch.Tensor, r: Routing, groups: int | None = None)
     numerics of fp8linear.swiglu_quant): (fp8 [R, I], scale [R, Ib] as a view of the
     token-minor [Ib, ld]); the other rows are not written. ``groups``: as gather_quant's."""
     d = gate_up.shape[1] // 2
-    q, scale_t = sorted_buffers(r, d, gate_up.device)
+    q, scale_t, scale = sorted_buffers(r, d, gate_up.device)
     slots = r.slot_row.numel()
     cg, gr = pair_split(cdiv(d, BLOCK), slots, groups)
     pdl = pdl_available(gate_up.device)
     _silu_mul_quant_kernel[(cdiv(slots, gr // cg), cdiv(cdiv(d, BLOCK), cg))](
         gate_up, r.slot_row, q, scale_t, scale_t.shape[1], slots, d, cg, gr, FP8_MAX, AMAX_EPS,
         needs_round_first(gate_up.device), pdl, num_warps=4, launch_pdl=pdl)
-    return q, scale_t[:, :r.rows].t()
+    return q, scale
 
 
 @triton.jit
@@ -340,7 +343,8 @@ def _combine_kernel(y_ptr, slot_row_ptr, w_ptr, out_ptr, H: tl.constexpr, TOP_K:
         # loaded row away cost 0.7-0.8 us a launch), its weight selected away
         here = at >= 0
         w = tl.where(here, tl.load(w_ptr + t * TOP_K + j).to(tl.float32), 0.0)
-        # (the mask broadcast by hand: Triton's interpreter refuses a scalar one)
+        # (the mask broadcast by hand: Triton's interpreter refuses a scalar one, and a
+        # vector & scalar one's dtype)
         here_h = tl.full([BLOCK_H], 0, at.dtype) + at >= 0
         acc += w * tl.load(y_ptr + row * H + cols, mask=mask & here_h, other=0.0).to(tl.float32)
     pdl_release(USE_GDC, False)
