@@ -152,7 +152,12 @@ step build "${BUILD_TIMEOUT:-300}" "$PY" -m fp8linear.cli build
 # pytest-timeout turns a hung kernel into one failed test instead of a dead step.
 XDIST=""
 if want test; then
-  "$PY" -c "import xdist" 2>/dev/null && [ "${TEST_WORKERS:-8}" != 0 ] && XDIST="-n ${TEST_WORKERS:-8}"
+  if "$PY" -c "import xdist" 2>/dev/null && [ "${TEST_WORKERS:-8}" != 0 ]; then
+    XDIST="-n ${TEST_WORKERS:-8}"
+    # each worker's torch would start a CPU thread per core for the tests' fp64 references:
+    # the cores shared out instead of workers x cores threads contending for them
+    T=$(( $(nproc) / ${TEST_WORKERS:-8} )); export OMP_NUM_THREADS=$(( T > 0 ? T : 1 ))
+  fi
   "$PY" -c "import pytest_timeout" 2>/dev/null && \
     XDIST="$XDIST --timeout=${TEST_CASE_TIMEOUT:-150} --timeout-method=thread"
 fi
