@@ -4,7 +4,10 @@ One point = (model, M). Every method runs the whole expert part of a layer (acti
 quantization, gate_up, SiLU-and-mul, down, the top-k weighted sum) from bf16 tokens and
 routing to bf16 output. Each is timed as a CUDA graph of LAUNCHES calls, each call routed by
 its own uniform-random top-k ids (the same ids for every method), the methods' graphs
-replayed in turn (benchmarks/common.py), median over replays.
+replayed in turn (benchmarks/common.py), median over replays. Replayed in turn, methods share
+one clock: at the power cap that flatters the one that draws more power. --sustained S also
+replays each graph alone for S seconds from --sustained-from tokens (us_sustained, with the
+SM clock and power sampled), as a model's prefill runs its layers back to back.
 
 Floor of a point = max(bytes of the experts its calls touch / read bandwidth, FLOPs / peak):
 the read bandwidth and the peak (our dense GEMM at 8192 x 8192 x 4096) are measured in the
@@ -71,6 +74,11 @@ def parse_args(argv=None):
     p.add_argument("--explore-group-m", default="",
                    help="e.g. 1,8: also fp8linear_moe@g<band> (the prefill kernel's tile order "
                         "band forced) at M >= 256")
+    p.add_argument("--sustained", type=float, default=0.0, metavar="S",
+                   help="also replay each method's graph alone for S seconds per point (rows: "
+                        "us_sustained, clock_mhz_sustained, power_w_sustained)")
+    p.add_argument("--sustained-from", type=int, default=1024, metavar="M",
+                   help="the points --sustained times (the compute-bound ones)")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -217,6 +225,7 @@ def main(argv=None) -> int:
     header["peak_tflops"] = peak_tflops()
     log(f"read {header['read_bw_gbps']:.0f} GB/s, peak {header['peak_tflops']:.0f} TFLOPS")
     rows = []
+    sampler = C.ClockSampler() if args.sustained > 0 else None
     gen = torch.Generator(device="cuda").manual_seed(0)
     for model in args.models.split(","):
         e, k, h, inter = MODELS[model]
@@ -252,6 +261,9 @@ def main(argv=None) -> int:
                 ref = fp8linear.moe_reference(x, w13, s13, w2, s2, routes[0][1],
                                               routes[0][0]).float()
             times = C.time_graphs_interleaved(graphs, args.replays)
+            alone = ({meth: C.replay_alone(g, args.sustained, sampler)
+                      for meth, g in graphs.items()}
+                     if sampler is not None and m >= args.sustained_from else {})
             for meth in here + extra:
                 us = C.median(times[meth]) / LAUNCHES
                 err = float((outs[meth].float() - base).norm() / base.norm())
@@ -264,30 +276,45 @@ def main(argv=None) -> int:
                                         "DeepGEMM m-grouped contiguous, 128-row alignment"
                                         if meth == "vllm_deepgemm_moe" else "fp8linear plan"),
                              "rel_diff_vs_first": err, "rel_err_vs_reference": err_ref})
+                if meth in alone:
+                    rows[-1] |= {"us_sustained": alone[meth]["us"] / LAUNCHES,
+                                 "clock_mhz_sustained": alone[meth]["clock_mhz"],
+                                 "power_w_sustained": alone[meth]["power_w"]}
                 log(f"{model:16s} M={m:5d} {meth:16s} {us:9.1f} us  floor {floor:8.1f} "
-                      f"({100 * floor / us:5.1f}%)  diff {err:.1e} vs ref {err_ref}")
+                      f"({100 * floor / us:5.1f}%)  diff {err:.1e} vs ref {err_ref}" + (
+                          f"  alone {rows[-1]['us_sustained']:.1f} us at "
+                          f"{rows[-1]['clock_mhz_sustained']:.0f} MHz" if meth in alone else ""))
             del graphs, outs
             C.write_json(args.out, header, rows)
         del w13, s13, w2, s2, deepgemm
         torch.cuda.empty_cache()
+    if sampler is not None:
+        sampler.stop()
     print(summary(rows, methods))
     return 0
 
 
+def _vs_best_vllm(by: dict, key: str) -> str:
+    """fp8linear's speedup over the faster vLLM method of a point by the rows' ``key``."""
+    vllm = [r[key] for meth, r in by.items() if meth.startswith("vllm") and key in r]
+    ours = by.get("fp8linear_moe", {}).get(key)
+    return f"{min(vllm) / ours:.2f}x" if vllm and ours else ""
+
+
 def summary(rows, methods) -> str:
-    """Per model and M: each method's µs and its speedup over the best vLLM method."""
+    """Per model and M: each method's µs and its speedup over the best vLLM method (and, where
+    --sustained timed the point, the same with each method alone)."""
     methods = list(dict.fromkeys(list(methods) + [r["method"] for r in rows]))
     lines = ["model            M      " + "  ".join(f"{m:>16s}" for m in methods)
              + "  fp8linear vs best vLLM"]
     keys = sorted({(r["model"], r["M"]) for r in rows}, key=lambda t: (t[0], t[1]))
     for model, m in keys:
         by = {r["method"]: r for r in rows if r["model"] == model and r["M"] == m}
-        vllm = [by[x]["us"] for x in by if x.startswith("vllm")]
-        ratio = f"{min(vllm) / by['fp8linear_moe']['us']:.2f}x" if vllm and \
-            "fp8linear_moe" in by else ""
+        alone = _vs_best_vllm(by, "us_sustained")
         lines.append(f"{model:16s} {m:5d}  " + "  ".join(
             f"{by[x]['us']:9.1f} ({by[x]['pct_floor']:3.0f}%)" if x in by else f"{'':>16s}"
-            for x in methods) + f"  {ratio}")
+            for x in methods) + f"  {_vs_best_vllm(by, 'us')}"
+            + (f" (alone {alone})" if alone else ""))
     return "\n".join(lines)
 
 

@@ -26,6 +26,15 @@ def test_summary_takes_the_faster_vllm_method_of_each_point():
     assert m4096[:2] == ["qwen3_30b_a3b", "4096"] and m4096[-1] == "1.15x"  # DeepGEMM's 690
 
 
+def test_summary_adds_the_ratio_of_methods_run_alone_where_sustained_timed_them():
+    rows = [_row("fp8linear_moe", 4096, 600.0), _row("vllm_deepgemm_moe", 4096, 690.0),
+            _row("fp8linear_moe", 1024, 300.0), _row("vllm_deepgemm_moe", 1024, 330.0)]
+    rows[0]["us_sustained"], rows[1]["us_sustained"] = 660.0, 693.0
+    lines = bench_moe.summary(rows, ["fp8linear_moe", "vllm_deepgemm_moe"]).splitlines()
+    assert lines[1].split()[-1] == "1.10x"                      # 1024: not timed alone
+    assert lines[2].split()[-3:] == ["1.15x", "(alone", "1.05x)"]
+
+
 def test_exploration_methods_force_the_plan_pieces_they_name():
     from fp8linear.backends.sm90 import moe as sm90_moe
     assert bench_moe.forced_pieces("t64") == {"token_tile": 64}
