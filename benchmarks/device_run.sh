@@ -151,17 +151,18 @@ step build "${BUILD_TIMEOUT:-300}" "$PY" -m fp8linear.cli build
 # pytest-xdist spreads the tests (and above all their Triton JIT compiles) over processes;
 # pytest-timeout turns a hung kernel into one failed test instead of a dead step.
 XDIST=""
+TEST_THREADS=""
 if want test; then
   if "$PY" -c "import xdist" 2>/dev/null && [ "${TEST_WORKERS:-8}" != 0 ]; then
     XDIST="-n ${TEST_WORKERS:-8}"
     # each worker's torch would start a CPU thread per core for the tests' fp64 references:
     # the cores shared out instead of workers x cores threads contending for them
-    T=$(( $(nproc) / ${TEST_WORKERS:-8} )); export OMP_NUM_THREADS=$(( T > 0 ? T : 1 ))
+    T=$(( $(nproc) / ${TEST_WORKERS:-8} )); TEST_THREADS="OMP_NUM_THREADS=$(( T > 0 ? T : 1 ))"
   fi
   "$PY" -c "import pytest_timeout" 2>/dev/null && \
     XDIST="$XDIST --timeout=${TEST_CASE_TIMEOUT:-150} --timeout-method=thread"
 fi
-step test "${TEST_TIMEOUT:-240}" "$PY" -m pytest -m gpu -q ${TEST_PATHS:-tests} \
+step test "${TEST_TIMEOUT:-240}" env $TEST_THREADS "$PY" -m pytest -m gpu -q ${TEST_PATHS:-tests} \
   -p no:cacheprovider --junitxml="$OUT/junit.xml" -rfEs --tb=short $XDIST \
   --maxfail="${MAXFAIL:-40}" --durations=15 ${PYTEST_ARGS:-}
 step sanitize "${SAN_TIMEOUT:-180}" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
