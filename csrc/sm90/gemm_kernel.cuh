@@ -763,12 +763,11 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           // |h| as 16-bit magnitudes: an integer max is the amax (NaN propagating)
-          constexpr uint32_t kAbs = 0x7FFF7FFFu;
           uint32_t m = 0, h0[8];
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
             h0[j] = stash[(2 * j + r) * kMathWG * 128];
-            m = max_u16x2(m, max_u16x2(h0[j] & kAbs, h1[j][r] & kAbs));
+            m = max_u16x2(m, max_u16x2(h0[j] & kAbsBits16x2, h1[j][r] & kAbsBits16x2));
           }
           m = max_u16x2(m, m >> 16);
           m = max_u16x2(m, __shfl_xor_sync(0xffffffffu, m, 1));

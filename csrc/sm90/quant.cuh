@@ -92,11 +92,13 @@ __device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
   asm("max.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
   return d;
 }
+// Clears the signs of two packed 16-bit floats: their magnitudes as max_u16x2 orders them.
+constexpr uint32_t kAbsBits16x2 = 0x7FFF7FFFu;
 // The largest magnitude of 8 packed 16-bit values, as bits, in one of the two halves (the
 // caller takes the max of the halves).
 __device__ __forceinline__ uint32_t amax_bits8(const uint4& b) {
-  constexpr uint32_t kAbs = 0x7FFF7FFFu;
-  return max_u16x2(max_u16x2(b.x & kAbs, b.y & kAbs), max_u16x2(b.z & kAbs, b.w & kAbs));
+  constexpr uint32_t k = kAbsBits16x2;
+  return max_u16x2(max_u16x2(b.x & k, b.y & k), max_u16x2(b.z & k, b.w & k));
 }
 // 16-bit float bits (low half of h) as a float: exact.
 __device__ __forceinline__ float bits16_to_float(uint32_t h, bool fp16) {
