@@ -172,23 +172,26 @@ def make_call(method, x, w13, s13, w2, s2, routes, deepgemm=None):
     raise ValueError(f"unknown method {method}")
 
 
-def forced_pieces(piece: str) -> dict:
-    """The plan pieces an exploration method forces (backends/sm90/moe.py ``forced``):
-    t<tile>, nopdl, prefill / decode, slots / sorted, g<band>, unfused (the prefill kernel's
-    gate_up without its SiLU-and-mul epilogue)."""
-    if piece == "nopdl":
-        return {"pdl": False}
-    if piece == "unfused":
-        return {"fused_act": False}
-    if piece in ("prefill", "decode"):
-        return {"prefill": piece == "prefill"}
-    if piece in ("slots", "sorted"):
-        return {"slot_tiles": piece == "slots"}
-    if piece.startswith("t") and piece[1:].isdigit():
-        return {"token_tile": int(piece[1:])}
-    if piece.startswith("g") and piece[1:].isdigit():
-        return {"group_m": int(piece[1:])}
-    raise ValueError(f"unknown forced piece {piece!r}")
+def forced_pieces(pieces: str) -> dict:
+    """The plan pieces an exploration method forces (backends/sm90/moe.py ``forced``), joined
+    by "+": t<tile>, nopdl, prefill / decode, slots / sorted, g<band>, c<config> (the prefill
+    kernel's tile), unfused (the prefill kernel's gate_up without its SiLU-and-mul epilogue)."""
+    over = {}
+    for piece in pieces.split("+"):
+        if piece == "nopdl":
+            over["pdl"] = False
+        elif piece == "unfused":
+            over["fused_act"] = False
+        elif piece in ("prefill", "decode"):
+            over["prefill"] = piece == "prefill"
+        elif piece in ("slots", "sorted"):
+            over["slot_tiles"] = piece == "slots"
+        elif piece[:1] in ("t", "g", "c") and piece[1:].isdigit():
+            over[{"t": "token_tile", "g": "group_m", "c": "prefill_config"}[piece[0]]] = int(
+                piece[1:])
+        else:
+            raise ValueError(f"unknown forced piece {piece!r}")
+    return over
 
 
 def peak_tflops() -> float:

@@ -167,42 +167,62 @@ std::string dispatch_config(const GemmArgs& g, cudaStream_t stream) {
   }
 }
 
-// The grouped kernel on the prefill tile (kMoePrefillConfig) for the output type.
-template <bool kSwiglu>
+// The tiles the grouped prefill kernel is built for (GemmArgs::config of launch_moe_prefill)
+constexpr int kMoePrefillConfigs[] = {
+#define FP8L_MOE_PREFILL_TILE(config) config,
+#include "sm90/tables.def"
+};
+
+// The grouped kernel on prefill tile I (kMoePrefillConfigs[I]) for the output type.
+template <int I, bool kSwiglu>
 std::string grouped(const GemmArgs& g, cudaStream_t stream) {
-  constexpr Config c = kConfigs[kMoePrefillConfig];
-  constexpr int st = c.stages;
+  constexpr Config c = kConfigs[kMoePrefillConfigs[I]];
+  static_assert(c.bm == 128 && (c.bn == 128 || c.bn == 192) && !c.share_a && !c.split_tail,
+                "the grouped kernel runs 128-row tiles of 128 or 192 columns, pairs along M");
+  constexpr int bn = c.bn, st = c.stages, cl = c.cluster;
   constexpr bool qn = c.queue_next, kGrouped = true;
-  if (g.out_dtype == kOutBF16)
-    return launch<128, 128, st, 1, false, false, false, qn, false, __nv_bfloat16, kGrouped,
-                  kSwiglu>(g, stream);
-  return launch<128, 128, st, 1, false, false, false, qn, false, __half, kGrouped, kSwiglu>(
-      g, stream);
+  if constexpr (kSwiglu && bn != 128) {
+    return "the SiLU-and-mul epilogue runs 128-column tiles";
+  } else {
+    if (g.out_dtype == kOutBF16)
+      return launch<128, bn, st, cl, false, false, false, qn, false, __nv_bfloat16, kGrouped,
+                    kSwiglu>(g, stream);
+    return launch<128, bn, st, cl, false, false, false, qn, false, __half, kGrouped, kSwiglu>(
+        g, stream);
+  }
+}
+
+// prefill config -> its instantiation, for every FP8L_MOE_PREFILL_TILE row
+template <bool kSwiglu, int I = 0>
+std::string dispatch_grouped(const GemmArgs& g, cudaStream_t stream) {
+  if constexpr (I < int(sizeof(kMoePrefillConfigs) / sizeof(kMoePrefillConfigs[0]))) {
+    return g.config == kMoePrefillConfigs[I] ? grouped<I, kSwiglu>(g, stream)
+                                             : dispatch_grouped<kSwiglu, I + 1>(g, stream);
+  } else {
+    return "gemm config " + std::to_string(g.config) + " is not a grouped prefill tile";
+  }
 }
 
 }  // namespace
 
-// The prefill expert GEMM of a mixture-of-experts layer (gemm_kernel.cuh: kGrouped) on the
-// tile of configuration kMoePrefillConfig: fp8 a sorted by expert in M blocks of 128 rows,
-// each block's expert in tile_expert, w [experts, N, K] with 128x128 scales.
+// The prefill expert GEMM of a mixture-of-experts layer (gemm_kernel.cuh: kGrouped) on one of
+// the kMoePrefillConfigs tiles: fp8 a sorted by expert in M blocks of 128 rows, each block's
+// expert in tile_expert, w [experts, N, K] with 128x128 scales.
 std::string launch_moe_prefill(const GemmArgs& g, cudaStream_t stream) {
-  constexpr Config c = kConfigs[kMoePrefillConfig];
-  static_assert(c.bm == 128 && c.bn == 128 && c.cluster == 1 && !c.share_a && !c.split_tail,
-                "the grouped kernel runs single 128x128 CTAs");
   if (g.M <= 0 || g.N <= 0 || g.K <= 0 || g.experts <= 0) return "empty problem";
   if (g.tile_expert == nullptr || g.row_token == nullptr)
     return "grouped GEMMs need tile_expert and row_token";
   if (g.a_scale_t == nullptr) return "grouped GEMMs take fp8 activations (sorted by expert)";
-  if (g.M % c.bm != 0) return "M must be whole 128-row token tiles";
-  if (g.N % c.bn != 0 || g.K % 16 != 0) return "N must be a multiple of 128 and K of 16";
+  if (g.M % 128 != 0) return "M must be whole 128-row token tiles";
+  if (g.N % 128 != 0 || g.K % 16 != 0) return "N must be a multiple of 128 and K of 16";
   if (g.a_scale_ld % 4 != 0 || g.a_scale_ld < g.M) return "a_scale_ld must be >= M and % 4";
   if (g.w_scale_per_row || g.bias != nullptr) return "grouped GEMMs take block scales, no bias";
   if (g.out_dtype != kOutBF16 && g.out_dtype != kOutFP16) return "outputs are bf16 or fp16";
   // out_scale_t: gate_up with SiLU-and-mul + quantization in the epilogue (fp8 h, N = 2I)
-  if (g.out_scale_t == nullptr) return grouped<false>(g, stream);
-  if (g.N % (2 * c.bn) != 0) return "SiLU-and-mul: N (2I) must be a multiple of 256";
+  if (g.out_scale_t == nullptr) return dispatch_grouped<false>(g, stream);
+  if (g.N % 256 != 0) return "SiLU-and-mul: N (2I) must be a multiple of 256";
   if (g.out_scale_ld % 4 != 0 || g.out_scale_ld < g.M) return "out_scale_ld must be >= M and % 4";
-  return grouped<true>(g, stream);
+  return dispatch_grouped<true>(g, stream);
 }
 
 std::string launch_gemm(const GemmArgs& g, cudaStream_t stream) {

@@ -146,6 +146,26 @@ struct Units {
   __host__ __device__ __forceinline__ int count() const { return num_um * num_un; }
 };
 
+// kGrouped: what a CTA runs of a unit. Pairs along M run in lockstep (each arrives on the
+// other's barriers), so a pair skips a unit only where neither M block holds an expert; an M
+// block of none (or past the last) runs its peer's expert idle (the loads, no MMAs, no
+// stores), and the pair multicasts the weight tile where both blocks hold one expert, else
+// each CTA loads its whole tile.
+struct GroupedUnit {
+  int expert;   // the expert whose weights the CTA loads; -1: the unit is skipped
+  bool own;     // the CTA's M block holds that expert (else it runs idle)
+  bool shared;  // a pair multicasts the weight tile
+};
+__device__ __forceinline__ GroupedUnit grouped_unit(const int* tile_expert, int um, int num_m,
+                                                    int cluster, int rank) {
+  if (cluster == 1) return {__ldg(tile_expert + um), true, false};
+  const int m0 = um * 2;
+  const int e0 = __ldg(tile_expert + m0);
+  const int e1 = m0 + 1 < num_m ? __ldg(tile_expert + m0 + 1) : -1;
+  const int mine = rank ? e1 : e0, peer = rank ? e0 : e1;
+  return {mine >= 0 ? mine : peer, mine >= 0, e0 == e1 || e0 < 0 || e1 < 0};
+}
+
 // Split tail (kSplitTail): where whole tiles would leave the last wave ragged, its tiles are
 // split along K so that the last wave fills the SMs: each CTA walks whole tiles as without
 // it (every ctas-th from its own) up to dp_end, then at most one part of a tail tile: tail
@@ -179,10 +199,11 @@ struct SplitTail {
 // for the math warpgroup: 59K of the SM's 64K) it waits for them to leave the SM
 // (docs/tuning.md: gemm-lean).
 // kQueueNext: two math warpgroups keep two partial accumulators as one does (below).
-// kGrouped (the prefill expert GEMM of a mixture-of-experts layer, sm90/moe.cu): A holds the
+// kGrouped (the prefill expert GEMM of a mixture-of-experts layer, sm90/gemm.cu): A holds the
 // tokens sorted by expert in M blocks of BM rows, B [experts * N, K] every expert's weights;
 // M block mb multiplies expert tile_expert[mb]'s N rows, blocks of -1 are skipped by every
-// role alike.
+// role alike (pairs along M: GroupedUnit). A 192-column tile past N (N % 192 != 0) reads
+// the next expert's rows or TMA's zeros, with zero scales, into columns never stored.
 // kSwiglu (grouped gate_up, N = 2I: gate rows [0, I), up rows [I, 2I)): the output is
 // h = SiLU(gate) * up quantized per 128 channels (swiglu_quant's numerics, gate and up rounded
 // to OutT first as a stored gate_up would be): fp8 [M, I] in tmap_c and its scales in
@@ -211,9 +232,9 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
   static_assert(!kQueueNext || (BM == 128 && BN <= 128), "queued K blocks: 64 registers a partial");
   static_assert(!kSplitTail || (BM == 128 && CLUSTER == 1 && !kQueueNext),
                 "split tail: single CTAs, one 64-row wave a warpgroup, one partial");
-  static_assert(!kGrouped || (BM == 128 && BN == 128 && CLUSTER == 1 && !kPerRowB &&
+  static_assert(!kGrouped || (BM == 128 && (BN == 128 || BN == 192) && !kShareA && !kPerRowB &&
                               !kSplitTail && !kLean),
-                "grouped: single CTAs of 128x128 tiles, block scales");
+                "grouped: 128-row tiles of 128 or 192 columns, pairs along M, block scales");
   static_assert(!kSwiglu || kGrouped, "SiLU-and-mul in the epilogue: the grouped gate_up only");
   // K loops a unit runs (kSwiglu: one a 64-channel half)
   constexpr int kHalves = kSwiglu ? 2 : 1;
@@ -256,11 +277,12 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
   const int rank = CLUSTER > 1 ? int(cluster_ctarank()) : 0;                      \
   const int first_unit = blockIdx.x / CLUSTER;                                    \
   const int unit_stride = gridDim.x / CLUSTER;                                    \
-  /* kGrouped: unit u's expert (M block = unit, with single CTAs), -1: skipped */  \
+  /* what this CTA runs of unit u (dense: expert 0, its own, a pair sharing) */  \
   [[maybe_unused]] auto unit_expert = [&](int u) {                                \
     int um, un;                                                                   \
     tile_coords(u, num_um, num_un, p.group_m, um, un);                            \
-    return kGrouped ? __ldg(p.tile_expert + um) : 0;                              \
+    return kGrouped ? grouped_unit(p.tile_expert, um, num_m, CLUSTER, rank)       \
+                    : GroupedUnit{0, true, true};                                 \
   };
 
   if (threadIdx.x == 0) {
@@ -312,19 +334,26 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
           mb = kShareA ? um : min(um * CLUSTER + rank, num_m - 1);
           nb = kShareA ? min(un * CLUSTER + rank, num_n - 1) : un;
         };
-        auto load_b = [&](int st, int kb, int nb, int expert, int half) {
-          if constexpr (kSwiglu) {  // gate rows of the half over its up rows: 64-row boxes
-            const int row = expert * p.N + nb * BN + half * (BN / 2);
-            tma_load_2d(sB + st * L::kBBytes, &tmap_b, &full[st], kb * kBlockK, row, keep_b);
-            tma_load_2d(sB + st * L::kBBytes + BN / 2 * kBlockK, &tmap_b, &full[st],
-                        kb * kBlockK, row + p.N / 2, keep_b);
-          } else if constexpr (CLUSTER == 1 || kShareA) {
-            tma_load_2d(sB + st * L::kBBytes, &tmap_b, &full[st], kb * kBlockK,
-                        expert * p.N + nb * BN, keep_b);
+        auto load_b = [&](int st, int kb, int nb, const GroupedUnit& gu, int half) {
+          uint8_t* dst = sB + st * L::kBBytes;
+          const int row = gu.expert * p.N + nb * BN;
+          if constexpr (!kSwiglu && (CLUSTER == 1 || kShareA)) {
+            tma_load_2d(dst, &tmap_b, &full[st], kb * kBlockK, row, keep_b);
           } else {
-            constexpr int kHalf = BN / CLUSTER;
-            tma_load_2d_multicast(sB + st * L::kBBytes + rank * kHalf * kBlockK, &tmap_b,
-                                  &full[st], kb * kBlockK, nb * BN + rank * kHalf, kBoth, keep_b);
+            // two boxes of BN / 2 rows: kSwiglu's gate rows of the half over its up rows, or
+            // a pair's halves of the tile; a pair sharing the tile multicasts one box a CTA
+            constexpr int kBox = BN / 2;
+            auto box_row = [&](int i) {
+              return kSwiglu ? row + half * kBox + i * (p.N / 2) : row + i * kBox;
+            };
+            if (CLUSTER > 1 && gu.shared) {
+              tma_load_2d_multicast(dst + rank * kBox * kBlockK, &tmap_b, &full[st],
+                                    kb * kBlockK, box_row(rank), kBoth, keep_b);
+            } else {
+              tma_load_2d(dst, &tmap_b, &full[st], kb * kBlockK, box_row(0), keep_b);
+              tma_load_2d(dst + kBox * kBlockK, &tmap_b, &full[st], kb * kBlockK, box_row(1),
+                          keep_b);
+            }
           }
         };
         // Weights are not written by the previous kernel: the first tile's first early_b
@@ -336,12 +365,13 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
           int mb, nb;
           unit_mn(first_unit, mb, nb);
           early = min(min(STAGES, p.num_kb), p.early_b);
-          for (int kb = 0; kb < early; ++kb) load_b(kb, kb, nb, 0, 0);
+          for (int kb = 0; kb < early; ++kb) load_b(kb, kb, nb, GroupedUnit{0, true, true}, 0);
         }
         pdl_wait();
         // K block kb of the tile at row0 / nb into the next stage (its weights too unless they
         // went out early)
-        auto stage = [&](int kb, int row0, int nb, int expert, int half, bool with_b) {
+        auto stage = [&](int kb, int row0, int nb, const GroupedUnit& gu, int half,
+                         bool with_b) {
           mbar_wait(&empty[s], phase ^ 1);
           if constexpr (CLUSTER == 1 || !kShareA) {
             tma_load_2d(sA + s * L::kABytes, &tmap_a, &full[s], kb * kBlockK, row0, keep);
@@ -351,7 +381,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
             tma_load_2d_multicast(sA + s * L::kABytes + rank * p.a_half * kBlockK, &tmap_a,
                                   &full[s], kb * kBlockK, row0 + rank * p.a_half, kBoth, keep);
           }
-          if (with_b) load_b(s, kb, nb, expert, half);
+          if (with_b) load_b(s, kb, nb, gu, half);
           tma_load_2d(sSA + s * BM, &tmap_sa, &full[s], row0, kb, keep);
           // The copies go out first, then the arrival that expects their bytes (the barrier
           // cannot complete before it): faster than arriving first (docs/tuning.md:
@@ -366,19 +396,19 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
         for (int u = first_unit; u < dp_end; u += unit_stride) {
           int mb, nb;
           unit_mn(u, mb, nb);
-          const int expert = unit_expert(u);
-          if (expert < 0) continue;
+          const GroupedUnit gu = unit_expert(u);
+          if (gu.expert < 0) continue;
           const int row0 = kSplitTail || kGrouped ? mb * BM : tile_row0<BM>(mb, p.M);
           for (int half = 0; half < kHalves; ++half)
             for (int kb = 0; kb < p.num_kb; ++kb)
-              stage(kb, row0, nb, expert, half, u != first_unit || kb >= early);
+              stage(kb, row0, nb, gu, half, u != first_unit || kb >= early);
         }
         if (kSplitTail && int(blockIdx.x) < st.tail * st.parts) {  // this CTA's tail part
           const int part = blockIdx.x / st.tail;
           int mb, nb;
           unit_mn(st.dp_end + blockIdx.x % st.tail, mb, nb);
           for (int kb = st.kb(part, p.num_kb); kb < st.kb(part + 1, p.num_kb); ++kb)
-            stage(kb, mb * BM, nb, 0, 0, true);
+            stage(kb, mb * BM, nb, GroupedUnit{0, true, true}, 0, true);
         }
         // PDL (a no-op without it): the next kernel may launch once every CTA of ours has
         // issued its last loads (one thread's call counts for its CTA); it waits for our
@@ -439,7 +469,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
             const int blk = tile_nb(u) * BN / 128;
             const int blk_hi = kSwiglu ? blk + num_nblk / 2 : blk + 1;
             const float* ws = p.w_scale;
-            if constexpr (kGrouped) ws += size_t(unit_expert(u)) * num_nblk * p.num_kb;
+            if constexpr (kGrouped) ws += size_t(unit_expert(u).expert) * num_nblk * p.num_kb;
             lo = __ldg(ws + size_t(blk) * p.num_kb + kb);
             if (kTwoBlocks && blk_hi < num_nblk)
               hi = __ldg(ws + size_t(blk_hi) * p.num_kb + kb);
@@ -463,7 +493,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
         // kGrouped: the next unit from u on that is not skipped
         auto next_unit = [&](int u) {
           if constexpr (kGrouped)
-            while (u < num_units && unit_expert(u) < 0) u += unit_stride;
+            while (u < num_units && unit_expert(u).expert < 0) u += unit_stride;
           return u;
         };
         int u = next_unit(first_unit), kb0 = 0;
@@ -683,7 +713,8 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
       tile_coords(u, num_um, num_un, p.group_m, um, un);
       const int mb = kShareA ? um : um * CLUSTER + rank;
       const int nb = kShareA ? un * CLUSTER + rank : un;
-      if (unit_expert(u) < 0) continue;  // (kGrouped: a skipped tile)
+      const GroupedUnit gu = unit_expert(u);
+      if (gu.expert < 0) continue;  // (kGrouped: a skipped unit)
       // columns [0, boundary) of this tile use the first weight-scale block, the rest the next
       const int boundary = 128 * (nb * BN / 128 + 1) - nb * BN;
 #pragma unroll
@@ -718,8 +749,10 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
       };
       // kGrouped: an expert's last tile whose rows from 64 on are padding (row_token -1) keeps
       // only the first math warpgroup's MMAs: the second waits out and frees each stage, and
-      // stores nothing (padding rows may hold anything; moe_routing.Stages)
-      if (kGrouped && wg == 1 && __ldg(p.row_token + size_t(mb) * BM + 64) < 0) {
+      // stores nothing (padding rows may hold anything; moe_routing.Stages); a CTA running
+      // idle in a pair (GroupedUnit) does so with both
+      if (kGrouped &&
+          (!gu.own || (wg == 1 && __ldg(p.row_token + size_t(mb) * BM + 64) < 0))) {
         for (int kb = 0; kb < kHalves * p.num_kb; ++kb) {
           mbar_wait(&full[s], phase);
           release(s);

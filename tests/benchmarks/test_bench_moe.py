@@ -44,8 +44,12 @@ def test_exploration_methods_force_the_plan_pieces_they_name():
     assert bench_moe.forced_pieces("sorted") == {"slot_tiles": False}
     assert bench_moe.forced_pieces("unfused") == {"fused_act": False}
     assert bench_moe.forced_pieces("g8") == {"group_m": 8}
+    assert bench_moe.forced_pieces("c14+unfused") == {"prefill_config": 14, "fused_act": False}
     with pytest.raises(ValueError, match=r"^unknown forced piece 'fast'$"):
         bench_moe.forced_pieces("fast")
-    for piece in ("t64", "nopdl", "prefill", "slots", "sorted", "g8"):  # each one forced() takes
+    with pytest.raises(ValueError, match=r"^unknown forced piece 'c'$"):
+        bench_moe.forced_pieces("c16+c")
+    # each one forced() takes
+    for piece in ("t64", "nopdl", "prefill", "slots", "sorted", "g8", "c16+unfused"):
         with sm90_moe.forced(**bench_moe.forced_pieces(piece)):
             assert sm90_moe._forced

@@ -97,14 +97,14 @@ class Library:
             w.shape[0], w.shape[1], config, pdl, quant_pdl, early_b, group_m, 1, dev)))
 
     def grouped_prefill(self, a, a_scale, w, w_scale, out, tile_expert, row_token, group_m,
-                        pdl, out_scale=None, dtype=None) -> None:
+                        pdl, out_scale=None, dtype=None, config=MOE_PREFILL_CONFIG) -> None:
         # the grouped expert GEMM for many tokens an expert (backends/sm90/moe.py): fp8 a
         # sorted by expert in 128-row tiles, a_scale (m, kb) a view of token-minor
         # [kb, ld] scales, tile_expert int32 [m / 128], row_token int64 [m] (-1: padding),
         # w [E, n, k], 128x128 w_scale [E, ...]; group_m: the tile order's band of M blocks.
         # out_scale: gate_up (n = 2I) with SiLU-and-mul + quantization fused: out fp8 h
         # [m, I], out_scale (m, I / 128) a view of token-minor scales; dtype: the
-        # activations' (gate and up round to it first)
+        # activations' (gate and up round to it first); config: the tile (MOE_PREFILL_CONFIGS)
         dev = a.device.index
         fused = out_scale is not None
         _check(self._gemm(_GEMM.pack(
@@ -113,7 +113,7 @@ class Library:
             out_scale.data_ptr() if fused else 0, 0, 0, _IN[a.dtype], a_scale.stride(1),
             out_scale.stride(1) if fused else 0, False, False,
             _OUT[dtype if fused else out.dtype], a.shape[0], w.shape[1], w.shape[2],
-            MOE_PREFILL_CONFIG, pdl, False, 0, group_m, w.shape[0], dev)))
+            config, pdl, False, 0, group_m, w.shape[0], dev)))
 
     def decode(self, x, x_scale, w, w_scale, per_row, bias, out, ws_floats, tiles, config, rows,
                splits, ctas_per_sm, pdl, early_trigger, quant_first) -> None:

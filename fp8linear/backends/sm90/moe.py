@@ -28,7 +28,7 @@ from ...quant import BLOCK, cdiv
 from ..triton import moe as triton_moe
 from . import library
 from .plan import DECODE_TWO_PER_SM_MAX_BT as TWO_PER_SM_MAX_BT
-from .tiles import DECODE_TILES, GEMM_TILES, MOE_PREFILL_CONFIG
+from .tiles import DECODE_TILES, GEMM_TILES, MOE_PREFILL_CONFIG, MOE_PREFILL_CONFIGS
 
 ROWS = 128  # weight rows a CTA owns (moe.cu instantiates 128-row CTAs only)
 # the prefill kernel's tile: its token tile and the output columns a tile covers
@@ -50,6 +50,7 @@ class GroupedGemmPlan:
     splits: int       # K ranges, reduced in split order (deterministic); 1 for the prefill kernel
     ctas_per_sm: int  # 1, or 2 (token tiles <= 32)
     group_m: int = 1  # the prefill kernel's tile order: M blocks a band walks per N block
+    prefill_config: int = MOE_PREFILL_CONFIG  # the prefill kernel's tile (GEMM_TILES index)
 
 
 @dataclass(frozen=True)
@@ -174,11 +175,12 @@ _forced: dict = {}
 @contextlib.contextmanager
 def forced(token_tile: int | None = None, splits: int | None = None, pdl: bool | None = None,
            prefill: bool | None = None, slot_tiles: bool | None = None,
-           group_m: int | None = None, fused_act: bool | None = None):
+           group_m: int | None = None, fused_act: bool | None = None,
+           prefill_config: int | None = None):
     """Overrides the rules' token tile, both GEMMs' K splits, PDL, the prefill kernel (which
     takes 128-token tiles only), the slot tiles (8-token tiles, not with the prefill
-    kernel), the prefill kernel's tile order band and its SiLU-and-mul epilogue (benchmarks,
-    tests)."""
+    kernel), the prefill kernel's tile order band, its SiLU-and-mul epilogue and its tile
+    (one of MOE_PREFILL_CONFIGS; the epilogue runs 128-column tiles) (benchmarks, tests)."""
     if token_tile is not None and token_tile not in DECODE_TILES:
         raise ValueError(f"token_tile must be one of {DECODE_TILES}, got {token_tile}")
     if slot_tiles and (prefill or token_tile not in (None, DECODE_TILES[0])):
@@ -188,6 +190,9 @@ def forced(token_tile: int | None = None, splits: int | None = None, pdl: bool |
         raise ValueError(f"splits must be >= 1, got {splits}")
     if group_m is not None and group_m < 1:
         raise ValueError(f"group_m must be >= 1, got {group_m}")
+    if prefill_config is not None and prefill_config not in MOE_PREFILL_CONFIGS:
+        raise ValueError(f"prefill_config must be one of {MOE_PREFILL_CONFIGS}, got "
+                         f"{prefill_config}")
     if prefill and token_tile not in (None, PREFILL_TILE):
         raise ValueError(f"the prefill kernel takes {PREFILL_TILE}-token tiles, got {token_tile}")
     if slot_tiles is None and (prefill or token_tile is not None):
@@ -196,7 +201,8 @@ def forced(token_tile: int | None = None, splits: int | None = None, pdl: bool |
     _forced.update({k: v for k, v in (("token_tile", token_tile), ("splits", splits),
                                       ("pdl", pdl), ("prefill", prefill),
                                       ("slot_tiles", slot_tiles), ("group_m", group_m),
-                                      ("fused_act", fused_act))
+                                      ("fused_act", fused_act),
+                                      ("prefill_config", prefill_config))
                    if v is not None})
     try:
         yield
@@ -214,6 +220,12 @@ def _apply_forced(plan: MoePlan, hidden: int, inter: int) -> MoePlan:
     if _forced.get("fused_act") and not prefill:
         raise ValueError("the SiLU-and-mul epilogue is the prefill kernel's: fused_act=True "
                          "needs prefill, got the decode kernel's plan")
+    fused_act = prefill and _forced.get("fused_act", fused_act_takes(hidden))
+    tile = _forced.get("prefill_config", plan.gate_up.prefill_config)
+    if fused_act and GEMM_TILES[tile].bn != PREFILL_TILE_N:
+        raise ValueError(f"the SiLU-and-mul epilogue runs {PREFILL_TILE_N}-column tiles, got "
+                         f"prefill_config={tile} ({GEMM_TILES[tile].bn} columns): force "
+                         f"fused_act=False with it")
     if "token_tile" in _forced:
         config = DECODE_TILES.index(_forced["token_tile"])
     if prefill:
@@ -223,11 +235,11 @@ def _apply_forced(plan: MoePlan, hidden: int, inter: int) -> MoePlan:
     def g(old: GroupedGemmPlan, k: int) -> GroupedGemmPlan:
         splits = min(_forced.get("splits", old.splits), cdiv(k, BLOCK))
         group_m = _forced.get("group_m", old.group_m)
-        return GroupedGemmPlan(splits, 2 if bt <= TWO_PER_SM_MAX_BT else 1, group_m)
+        return GroupedGemmPlan(splits, 2 if bt <= TWO_PER_SM_MAX_BT else 1, group_m,
+                               _forced.get("prefill_config", old.prefill_config))
     return MoePlan(config, g(plan.gate_up, hidden), g(plan.down, inter),
                    _forced.get("pdl", plan.pdl), prefill, plan.parallel_route, plan.slot_tiles,
-                   prefill and _forced.get("fused_act", fused_act_takes(hidden)),
-                   "forced")
+                   fused_act, "forced")
 
 
 def supported(hidden: int, inter: int, block_scales: bool) -> bool:
@@ -241,7 +253,8 @@ def _grouped_gemm(plan: MoePlan):
         def prefill(a, a_scale, w, w_scale, r: Routing, out, which: int):
             g = plan.gate_up if which == 0 else plan.down
             library.load().grouped_prefill(a, a_scale, w, w_scale, out, r.tile_expert,
-                                           r.row_token, g.group_m, plan.pdl)
+                                           r.row_token, g.group_m, plan.pdl,
+                                           config=g.prefill_config)
         return prefill
 
     def run(a, a_scale, w, w_scale, r: Routing, out, which: int):
@@ -302,9 +315,10 @@ def _slot_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, plan: Moe
 def _gate_up_silu_quant(plan: MoePlan):
     def run(a, a_scale, w13, w13_scale, r: Routing, dtype):
         q, _, scale = triton_moe.sorted_buffers(r, w13.shape[1] // 2, a.device)
+        g = plan.gate_up
         library.load().grouped_prefill(a, a_scale, w13, w13_scale, q, r.tile_expert,
-                                       r.row_token, plan.gate_up.group_m, plan.pdl, scale,
-                                       dtype)
+                                       r.row_token, g.group_m, plan.pdl, scale, dtype,
+                                       g.prefill_config)
         return q, scale
     return run
 

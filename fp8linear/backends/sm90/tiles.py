@@ -30,7 +30,7 @@ _ENTRY = re.compile(r"^(FP8L_\w+)\(([^)]*)\)", re.M)
 
 
 def _parse(text: str):
-    tiles, decode, limits, codes, entries = [], [], {}, {}, {}
+    tiles, decode, prefill, limits, codes, entries = [], [], [], {}, {}, {}
     for macro, args in _ENTRY.findall(text):
         vals = [a.strip() for a in args.split(",")]
         if macro == "FP8L_GEMM_TILE":
@@ -38,21 +38,24 @@ def _parse(text: str):
             tiles.append(GemmTile(*ints, *flags))
         elif macro == "FP8L_DECODE_TILE":
             decode.append(int(vals[0]))
+        elif macro == "FP8L_MOE_PREFILL_TILE":
+            prefill.append(int(vals[0]))
         elif macro == "FP8L_LIMIT":
             limits[vals[0]] = int(vals[1])
         elif macro in ("FP8L_IN_DTYPE", "FP8L_OUT_DTYPE"):
             codes[vals[0]] = int(vals[1])
         elif macro == "FP8L_ARG":
             entries.setdefault(vals[0], []).append((vals[1], vals[2]))
-    return tuple(tiles), tuple(decode), limits, codes, entries
+    return tuple(tiles), tuple(decode), tuple(prefill), limits, codes, entries
 
 
-# ENTRY_ARGS: the C entry points' argument structs, entry -> [(kind, field name)] in order
-GEMM_TILES, DECODE_TILES, _LIMITS, DTYPE_CODES, ENTRY_ARGS = _parse(
+# ENTRY_ARGS: the C entry points' argument structs, entry -> [(kind, field name)] in order;
+# MOE_PREFILL_CONFIGS: the large-M tiles (GEMM_TILES indices) the grouped prefill expert GEMM
+# is built for (sm90/gemm.cu), the first its default
+GEMM_TILES, DECODE_TILES, MOE_PREFILL_CONFIGS, _LIMITS, DTYPE_CODES, ENTRY_ARGS = _parse(
     (source_dir() / "sm90" / "tables.def").read_text())
 # dynamic shared memory of a CTA by CTAs an SM
 SMEM_PER_CTA = {1: _LIMITS["kSmemOneCtaPerSm"], 2: _LIMITS["kSmemTwoCtasPerSm"]}
 # the C entry points' interface version (csrc/capi.cpp fp8l_abi_version)
 ABI_VERSION = _LIMITS["kAbiVersion"]
-# the large-M tile (GEMM_TILES index) the grouped prefill expert GEMM runs (sm90/gemm.cu)
-MOE_PREFILL_CONFIG = _LIMITS["kMoePrefillConfig"]
+MOE_PREFILL_CONFIG = MOE_PREFILL_CONFIGS[0]

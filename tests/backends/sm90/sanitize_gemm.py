@@ -43,6 +43,7 @@ if ROOT not in sys.path:
 
 import fp8linear  # noqa: E402
 from fp8linear import knobs  # noqa: E402
+from fp8linear.backends.sm90 import moe as sm90_moe  # noqa: E402
 from fp8linear.backends.sm90 import plan as sm90_plan  # noqa: E402
 from fp8linear.backends.sm90.tiles import GEMM_TILES  # noqa: E402
 
@@ -57,7 +58,8 @@ CASES = [
     (300, 264, 400, True, torch.float16, True),      # large-M path, M tail, per-row
     (1000, 392, 1040, False, torch.bfloat16, False), # large-M path, several tiles
 ]
-# MoE layers (M, experts, top_k, hidden, intermediate, dtype), checked against moe_reference
+# MoE layers (M, experts, top_k, hidden, intermediate, dtype[, MoE plan pieces forced:
+# backends.sm90.moe.forced]), checked against moe_reference
 MOE_CASES = [
     (1, 16, 4, 1024, 256, torch.float16),    # one token: slot tiles, split K
     (5, 16, 4, 208, 256, torch.float16),
@@ -66,6 +68,13 @@ MOE_CASES = [
     (300, 8, 2, 256, 128, torch.bfloat16),   # >= 32 tokens an expert: the prefill kernel
     (100, 8, 2, 256, 128, torch.bfloat16),   # 200 slots: the one-program routing
     (200, 8, 2, 256, 256, torch.bfloat16),   # prefill again (--quick takes the even indices)
+    # the prefill kernel's other tiles: pairs along M (SiLU-and-mul fused), 192 columns in
+    # pairs (gate_up's 512 and down's 384 columns: a last tile past N), 192 columns alone
+    (300, 8, 2, 256, 128, torch.bfloat16, {"prefill": True, "prefill_config": 16}),
+    (700, 8, 2, 384, 256, torch.bfloat16, {"prefill": True, "prefill_config": 14,
+                                           "fused_act": False}),
+    (200, 8, 2, 384, 256, torch.float16, {"prefill": True, "prefill_config": 3,
+                                          "fused_act": False}),
 ]
 QUICK = [0, 2, 5, 6, 7]   # racecheck is slow on warp-specialized kernels: fewer cases
 # decode plans forced for the decode cases under --configs all (plan.forced pieces)
@@ -124,7 +133,7 @@ def run_case(i, m, n, k, per_row, dtype, with_bias, dev="cuda"):
     return errs
 
 
-def run_moe_case(i, m, e, top_k, h, inter, dtype, dev="cuda"):
+def run_moe_case(i, m, e, top_k, h, inter, dtype, forced=None, dev="cuda"):
     g = torch.Generator().manual_seed(2000 + i)
     x = torch.randn(m, h, generator=g).to(dtype)
     experts = []
@@ -135,8 +144,9 @@ def run_moe_case(i, m, e, top_k, h, inter, dtype, dev="cuda"):
     ids = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(m)])
     wts = torch.softmax(torch.randn(m, top_k, generator=g), 1)
     ref = fp8linear.moe_reference(x, *experts, wts, ids).double()
-    out = fp8linear.fused_moe(x.to(dev), *(t.to(dev) for t in experts), wts.to(dev),
-                              ids.to(dev)).double().cpu()
+    with sm90_moe.forced(**(forced or {})):
+        out = fp8linear.fused_moe(x.to(dev), *(t.to(dev) for t in experts), wts.to(dev),
+                                  ids.to(dev)).double().cpu()
     if not torch.isfinite(out).all():
         return [f"fused_moe: {int((~torch.isfinite(out)).sum())} NaN/inf outputs"]
     rel = float((out - ref).norm() / ref.norm())
@@ -199,9 +209,10 @@ def main(argv=None) -> int:
         t = time.time()
         errs = run_moe_case(i, *case, dev=a.device)
         fails += bool(errs)
-        m, e, top_k, h, inter, dtype = case
+        m, e, top_k, h, inter, dtype = case[:6]
+        pieces = "".join(f"{k}={v} " for k, v in (case[6] if len(case) > 6 else {}).items())
         print(f"moe case {i}: M={m} E={e} top_k={top_k} H={h} I={inter} "
-              f"{str(dtype).split('.')[-1]} {time.time() - t:.1f}s "
+              f"{str(dtype).split('.')[-1]} {pieces}{time.time() - t:.1f}s "
               f"{'ok' if not errs else 'FAIL ' + '; '.join(errs)}", flush=True)
     print(f"sanitize_gemm: {'ALL OK' if not fails else f'{fails} FAILED'} "
           f"({time.time() - t0:.1f}s)", flush=True)

@@ -12,6 +12,7 @@ import fp64_reference as R
 from fp8linear import quantize_activation
 from fp8linear.backends import dispatch
 from fp8linear.backends.sm90.moe import GroupedGemmPlan, expected_active, moe_plan
+from fp8linear.backends.sm90.tiles import GEMM_TILES, MOE_PREFILL_CONFIGS
 from fp8linear.moe import fused_moe, moe_reference
 from moe_cases import EDGE_COUNTS, experts, layer, topk_ids
 
@@ -311,6 +312,28 @@ def test_prefill_tile_order_leaves_the_output_bitwise(group_m):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", MOE_PREFILL_CONFIGS[1:])
+@pytest.mark.parametrize("routing", ["random", "edges"])
+def test_prefill_tiles_leave_the_output_bitwise(config, routing):
+    # every tile computes an output element from the same products in the same K order as
+    # the default one: pairs along M (multicasting the weights where both M blocks hold one
+    # expert, else not; an M block of none idle), 192 columns (a last tile past N: 512 and
+    # 768 columns), one partial or two. "edges": experts of 0-3 tiles, so pairs of both kinds
+    from fp8linear.backends.sm90 import moe as sm90_moe
+    gen = torch.Generator().manual_seed(config)
+    m, e, k = (700, 8, 2) if routing == "random" else (sum(EDGE_COUNTS), 8, 1)
+    args = [t.cuda() for t in layer(gen, m, e, k, 512, 384, routing)]
+    fused = GEMM_TILES[config].bn == 128  # (the SiLU-and-mul epilogue's tiles)
+    with sm90_moe.forced(prefill=True, fused_act=fused):
+        want = fused_moe(*args)
+    _poison_cache()
+    with sm90_moe.forced(prefill=True, fused_act=fused, prefill_config=config):
+        got = fused_moe(*args)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["decode", "prefill", "slot_tiles"])
 def test_fused_moe_under_a_cuda_graph_follows_new_routing(kernel):
     from fp8linear.backends.sm90 import moe as sm90_moe
@@ -372,6 +395,23 @@ def test_forced_pieces_are_checked_and_restored():
         with pytest.raises(ValueError, match=r"^the prefill kernel needs hidden and 2 \* "
                                              r"intermediate multiples of 128, got 2080, 768$"):
             sm90_moe._apply_forced(moe_plan(1, 8, 128, 2080, 768, 132), 2080, 768)
+    with pytest.raises(ValueError, match=r"^prefill_config must be one of \(13, 16, 3, 14\), "
+                                         r"got 0$"):
+        with sm90_moe.forced(prefill_config=0):
+            pass
+    with sm90_moe.forced(prefill=True, prefill_config=16):
+        plan = sm90_moe._apply_forced(moe_plan(2, 8, 128, 2048, 768, 132), 2048, 768)
+        assert (plan.gate_up.prefill_config, plan.down.prefill_config) == (16, 16)
+        assert plan.fused_act  # (a 128-column tile)
+    with pytest.raises(ValueError, match=r"^the SiLU-and-mul epilogue runs 128-column tiles, "
+                                         r"got prefill_config=14 \(192 columns\): force "
+                                         r"fused_act=False with it$"):
+        with sm90_moe.forced(prefill=True, prefill_config=14):
+            sm90_moe._apply_forced(moe_plan(2, 8, 128, 2048, 768, 132), 2048, 768)
+    with sm90_moe.forced(prefill=True, prefill_config=3, fused_act=False):
+        plan = sm90_moe._apply_forced(moe_plan(2, 8, 128, 2048, 768, 132), 2048, 768)
+        assert (plan.gate_up.prefill_config, plan.fused_act) == (3, False)
+    assert moe_plan(4096, 8, 128, 2048, 768, 132).gate_up.prefill_config == 13  # the default
     with pytest.raises(ValueError, match=r"^the SiLU-and-mul epilogue is the prefill kernel's: "
                                          r"fused_act=True needs prefill, got the decode "
                                          r"kernel's plan$"):
@@ -476,6 +516,13 @@ def test_grouped_entry_points_refuse_bad_arguments_before_launching():
     refused(r"moe prefill: out_scale_ld must be >= M and % 4",
             lambda: lib.grouped_prefill(a, a_scale, w, ws, hq, tiles, row_token, 1, False,
                                         short.t(), torch.bfloat16))
+    # the tile: one the grouped kernel is built for; the SiLU-and-mul epilogue's 128 columns
+    refused(r"moe prefill: gemm config 0 is not a grouped prefill tile",
+            lambda: lib.grouped_prefill(a, a_scale, w, ws, out, tiles, row_token, 1, False,
+                                        config=0))
+    refused(r"moe prefill: the SiLU-and-mul epilogue runs 128-column tiles",
+            lambda: lib.grouped_prefill(a, a_scale, w, ws, hq, tiles, row_token, 1, False,
+                                        h_scale.t(), torch.bfloat16, config=14))
     assert torch.isnan(h_scale).all()
     refused(r"M must be whole token tiles",
             lambda: lib.grouped(a[:100], a_scale[:100], w, ws, out[:100], tiles, 0, 4, 4, 1,
