@@ -48,8 +48,8 @@ def test_exploration_methods_force_the_plan_pieces_they_name():
     with pytest.raises(ValueError, match=r"^unknown forced piece 'fast'$"):
         bench_moe.forced_pieces("fast")
     with pytest.raises(ValueError, match=r"^unknown forced piece 'c'$"):
-        bench_moe.forced_pieces("c16+c")
+        bench_moe.forced_pieces("c14+c")
     # each one forced() takes
-    for piece in ("t64", "nopdl", "prefill", "slots", "sorted", "g8", "c16+unfused"):
+    for piece in ("t64", "nopdl", "prefill", "slots", "sorted", "g8", "c14+unfused"):
         with sm90_moe.forced(**bench_moe.forced_pieces(piece)):
             assert sm90_moe._forced

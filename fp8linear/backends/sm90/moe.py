@@ -37,6 +37,10 @@ TILE_2X_MIN_HIDDEN = 4096
 TILE_2X_MIN_TOKENS = 16
 PREFILL_MIN_TOKENS = 32
 PREFILL_MIN_TOKENS_WIDE = 24  # hidden >= TILE_2X_MIN_HIDDEN
+PREFILL_PAIRS_MIN_TOKENS = 128
+# the pairs' tile (moe-prefill-pairs): 128x192 in pairs along M
+PREFILL_PAIRS_CONFIG = next(c for c in MOE_PREFILL_CONFIGS
+                            if GEMM_TILES[c].cluster == 2 and GEMM_TILES[c].bn == 192)
 PREFILL_BAND = 4
 PREFILL_BAND_MIN_BYTES = 64 << 20
 PARALLEL_ROUTE_MIN_SLOTS = 256
@@ -120,10 +124,19 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
             and per_expert >= 2 * PREFILL_TILE else 1)
     if band > 1:
         rule += "+moe-prefill-band"
+    # moe-prefill-pairs: from 128 expected tokens an expert (the FLOPs take >= ~0.8 of the
+    # weight read's time), 128x192 tiles in pairs along M multicasting the weight tile: 42%
+    # fewer L2 bytes a FLOP, and the power cap then holds a higher clock (alone at the cap
+    # 4-11% faster at 4096 tokens, level on Qwen3-30B-A3B; below, an expert's tile or two
+    # rarely share, and they lose 1-2%)
+    pairs = prefill and per_expert >= PREFILL_PAIRS_MIN_TOKENS
+    tile = PREFILL_PAIRS_CONFIG if pairs else MOE_PREFILL_CONFIG
+    if pairs:
+        rule += "+moe-prefill-pairs"
 
     def gemm(n: int, k: int) -> GroupedGemmPlan:
         if prefill:  # (the persistent kernel walks whole K: nothing to split)
-            return GroupedGemmPlan(1, 1, band)
+            return GroupedGemmPlan(1, 1, band, tile)
         # moe-split-fill: split K until the expected CTAs fill the SMs' slots in one wave,
         # keeping >= 2 K blocks a split (the reduction pass costs more below that)
         num_kb = cdiv(k, BLOCK)
@@ -147,11 +160,12 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
     # the slots grows with them (measured crossover 128-512)
     parallel = slots >= PARALLEL_ROUTE_MIN_SLOTS
     rule += "+moe-pdl" if prefill else "+moe-split-fill+moe-pdl"
-    # moe-prefill-fused-act: hidden <= 4096, the prefill kernel's gate_up writes h = SiLU(gate)
-    # * up quantized (its epilogue), not gate_up in x's dtype for a SiLU-and-mul launch to read
-    # back (measured 1-5% faster at hidden 2048 to 2048 tokens, level at 4096; level or slower
-    # at 7168, whose longer K loops make the stage it saves weigh less than its epilogue)
-    fused_act = prefill and fused_act_takes(hidden)
+    # moe-prefill-fused-act: hidden <= 4096 on 128-column tiles, the prefill kernel's gate_up
+    # writes h = SiLU(gate) * up quantized (its epilogue), not gate_up in x's dtype for a
+    # SiLU-and-mul launch to read back (measured 1-5% faster at hidden 2048 to 2048 tokens,
+    # level at 4096; level or slower at 7168, whose longer K loops make the stage it saves
+    # weigh less than its epilogue)
+    fused_act = prefill and fused_act_takes(hidden, tile)
     rule += "+moe-prefill-fused-act" if fused_act else ""
     return MoePlan(config, gemm(2 * inter, hidden), gemm(hidden, inter), True, prefill,
                    parallel, slot_tiles, fused_act,
@@ -163,10 +177,11 @@ def prefill_takes(hidden: int, inter: int) -> bool:
     return hidden % PREFILL_TILE_N == 0 and 2 * inter % PREFILL_TILE_N == 0
 
 
-def fused_act_takes(hidden: int) -> bool:
-    """Whether the prefill kernel's gate_up runs SiLU-and-mul + quantization in its epilogue
-    (moe-prefill-fused-act; the plan rule and a forced prefill kernel alike)."""
-    return hidden <= FUSED_ACT_MAX_HIDDEN
+def fused_act_takes(hidden: int, config: int) -> bool:
+    """Whether the prefill kernel's gate_up on tile ``config`` runs SiLU-and-mul +
+    quantization in its epilogue (moe-prefill-fused-act; the plan rule and a forced prefill
+    kernel alike): the epilogue runs 128 channels a tile."""
+    return hidden <= FUSED_ACT_MAX_HIDDEN and GEMM_TILES[config].bn == PREFILL_TILE_N
 
 
 _forced: dict = {}
@@ -220,12 +235,11 @@ def _apply_forced(plan: MoePlan, hidden: int, inter: int) -> MoePlan:
     if _forced.get("fused_act") and not prefill:
         raise ValueError("the SiLU-and-mul epilogue is the prefill kernel's: fused_act=True "
                          "needs prefill, got the decode kernel's plan")
-    fused_act = prefill and _forced.get("fused_act", fused_act_takes(hidden))
     tile = _forced.get("prefill_config", plan.gate_up.prefill_config)
+    fused_act = prefill and _forced.get("fused_act", fused_act_takes(hidden, tile))
     if fused_act and GEMM_TILES[tile].bn != PREFILL_TILE_N:
         raise ValueError(f"the SiLU-and-mul epilogue runs {PREFILL_TILE_N}-column tiles, got "
-                         f"prefill_config={tile} ({GEMM_TILES[tile].bn} columns): force "
-                         f"fused_act=False with it")
+                         f"prefill_config={tile} ({GEMM_TILES[tile].bn} columns)")
     if "token_tile" in _forced:
         config = DECODE_TILES.index(_forced["token_tile"])
     if prefill:

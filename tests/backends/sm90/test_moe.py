@@ -395,23 +395,22 @@ def test_forced_pieces_are_checked_and_restored():
         with pytest.raises(ValueError, match=r"^the prefill kernel needs hidden and 2 \* "
                                              r"intermediate multiples of 128, got 2080, 768$"):
             sm90_moe._apply_forced(moe_plan(1, 8, 128, 2080, 768, 132), 2080, 768)
-    with pytest.raises(ValueError, match=r"^prefill_config must be one of \(13, 16, 3, 14\), "
+    with pytest.raises(ValueError, match=r"^prefill_config must be one of \(13, 14\), "
                                          r"got 0$"):
         with sm90_moe.forced(prefill_config=0):
             pass
-    with sm90_moe.forced(prefill=True, prefill_config=16):
+    with sm90_moe.forced(prefill=True, prefill_config=14):
         plan = sm90_moe._apply_forced(moe_plan(2, 8, 128, 2048, 768, 132), 2048, 768)
-        assert (plan.gate_up.prefill_config, plan.down.prefill_config) == (16, 16)
-        assert plan.fused_act  # (a 128-column tile)
+        assert (plan.gate_up.prefill_config, plan.down.prefill_config) == (14, 14)
+        assert not plan.fused_act  # (a 192-column tile: no SiLU-and-mul epilogue)
     with pytest.raises(ValueError, match=r"^the SiLU-and-mul epilogue runs 128-column tiles, "
-                                         r"got prefill_config=14 \(192 columns\): force "
-                                         r"fused_act=False with it$"):
-        with sm90_moe.forced(prefill=True, prefill_config=14):
+                                         r"got prefill_config=14 \(192 columns\)$"):
+        with sm90_moe.forced(prefill=True, prefill_config=14, fused_act=True):
             sm90_moe._apply_forced(moe_plan(2, 8, 128, 2048, 768, 132), 2048, 768)
-    with sm90_moe.forced(prefill=True, prefill_config=3, fused_act=False):
-        plan = sm90_moe._apply_forced(moe_plan(2, 8, 128, 2048, 768, 132), 2048, 768)
-        assert (plan.gate_up.prefill_config, plan.fused_act) == (3, False)
-    assert moe_plan(4096, 8, 128, 2048, 768, 132).gate_up.prefill_config == 13  # the default
+    # a plan on the pairs' tile takes the default one forced, and with it the epilogue
+    with sm90_moe.forced(prefill_config=13):
+        plan = sm90_moe._apply_forced(moe_plan(4096, 8, 128, 2048, 768, 132), 2048, 768)
+        assert (plan.gate_up.prefill_config, plan.fused_act) == (13, True)
     with pytest.raises(ValueError, match=r"^the SiLU-and-mul epilogue is the prefill kernel's: "
                                          r"fused_act=True needs prefill, got the decode "
                                          r"kernel's plan$"):
@@ -424,13 +423,14 @@ def test_forced_pieces_are_checked_and_restored():
     ("qwen3_30b_a3b", 384, False), ("qwen3_30b_a3b", 512, True),  # 24 / 32 tokens an expert
     ("mixtral_8x7b", 64, False), ("mixtral_8x7b", 96, True),      # 16 / 24 (hidden 4096)
     ("deepseek_v3", 512, False), ("deepseek_v3", 768, True),      # 16 / 24 (hidden 7168)
-    ("qwen3_30b_a3b", 4096, True), ("deepseek_v3", 4096, True)])
+    ("qwen3_30b_a3b", 1024, True), ("deepseek_v3", 2048, True)])
 def test_prefill_kernel_from_32_tokens_an_expert_24_if_wide(model, m, prefill):
     e, k, h, inter = MODELS[model]
     plan = moe_plan(m, k, e, h, inter, 132)
     assert plan.prefill == prefill and ("moe-prefill" in plan.rule) == prefill
     assert plan.token_tile == 128 or not prefill
     # moe-prefill-fused-act: SiLU-and-mul + quantization in gate_up's epilogue, to hidden 4096
+    # (on 128-column tiles: below 128 tokens an expert, test_prefill_pairs_from_128_tokens...)
     fused = prefill and h <= 4096
     assert plan.fused_act == fused and ("moe-prefill-fused-act" in plan.rule) == fused
     from fp8linear.backends.sm90 import moe as sm90_moe
@@ -448,8 +448,24 @@ def test_prefill_kernel_from_32_tokens_an_expert_24_if_wide(model, m, prefill):
 def test_prefill_bands_for_experts_past_the_l2_with_two_tiles(model, m, band):
     e, k, h, inter = MODELS[model]
     plan = moe_plan(m, k, e, h, inter, 132)
-    assert plan.prefill and plan.gate_up == plan.down == GroupedGemmPlan(1, 1, band)
+    assert plan.prefill and plan.gate_up == plan.down
+    assert (plan.gate_up.splits, plan.gate_up.ctas_per_sm, plan.gate_up.group_m) == (1, 1, band)
     assert ("moe-prefill-band" in plan.rule) == (band > 1)
+
+
+@pytest.mark.parametrize("model, m, pairs", [
+    ("mixtral_8x7b", 256, False), ("mixtral_8x7b", 512, True),  # 64 / 128 tokens an expert
+    ("qwen3_235b_a22b", 1024, False), ("qwen3_235b_a22b", 4096, True),
+    ("deepseek_v3", 2048, False), ("deepseek_v3", 4096, True),  # 64 / 128
+    ("qwen3_30b_a3b", 1024, False), ("qwen3_30b_a3b", 4096, True)])
+def test_prefill_pairs_from_128_tokens_an_expert(model, m, pairs):
+    e, k, h, inter = MODELS[model]
+    plan = moe_plan(m, k, e, h, inter, 132)
+    want = GroupedGemmPlan(1, 1, plan.gate_up.group_m, 14 if pairs else 13)
+    assert plan.prefill and plan.gate_up == plan.down == want
+    assert ("moe-prefill-pairs" in plan.rule) == pairs
+    # the SiLU-and-mul epilogue runs 128-column tiles only
+    assert plan.fused_act == (not pairs and h <= 4096)
 
 
 @pytest.mark.parametrize("m, k, parallel", [(31, 8, False), (32, 8, True), (127, 2, False),
