@@ -156,6 +156,8 @@ struct GroupedUnit {
   bool own;     // the CTA's M block holds that expert (else it runs idle)
   bool shared;  // a pair multicasts the weight tile
 };
+// the dense kernel's unit: expert 0, its own, a pair sharing the weight tile
+__device__ __forceinline__ GroupedUnit dense_unit() { return {0, true, true}; }
 __device__ __forceinline__ GroupedUnit grouped_unit(const int* tile_expert, int um, int num_m,
                                                     int cluster, int rank) {
   if (cluster == 1) return {__ldg(tile_expert + um), true, false};
@@ -277,12 +279,12 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
   const int rank = CLUSTER > 1 ? int(cluster_ctarank()) : 0;                      \
   const int first_unit = blockIdx.x / CLUSTER;                                    \
   const int unit_stride = gridDim.x / CLUSTER;                                    \
-  /* what this CTA runs of unit u (dense: expert 0, its own, a pair sharing) */  \
+  /* what this CTA runs of unit u (GroupedUnit; dense: dense_unit()) */           \
   [[maybe_unused]] auto unit_expert = [&](int u) {                                \
     int um, un;                                                                   \
     tile_coords(u, num_um, num_un, p.group_m, um, un);                            \
     return kGrouped ? grouped_unit(p.tile_expert, um, num_m, CLUSTER, rank)       \
-                    : GroupedUnit{0, true, true};                                 \
+                    : dense_unit();                                               \
   };
 
   if (threadIdx.x == 0) {
@@ -365,7 +367,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
           int mb, nb;
           unit_mn(first_unit, mb, nb);
           early = min(min(STAGES, p.num_kb), p.early_b);
-          for (int kb = 0; kb < early; ++kb) load_b(kb, kb, nb, GroupedUnit{0, true, true}, 0);
+          for (int kb = 0; kb < early; ++kb) load_b(kb, kb, nb, dense_unit(), 0);
         }
         pdl_wait();
         // K block kb of the tile at row0 / nb into the next stage (its weights too unless they
@@ -408,7 +410,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
           int mb, nb;
           unit_mn(st.dp_end + blockIdx.x % st.tail, mb, nb);
           for (int kb = st.kb(part, p.num_kb); kb < st.kb(part + 1, p.num_kb); ++kb)
-            stage(kb, mb * BM, nb, GroupedUnit{0, true, true}, 0, true);
+            stage(kb, mb * BM, nb, dense_unit(), 0, true);
         }
         // PDL (a no-op without it): the next kernel may launch once every CTA of ours has
         // issued its last loads (one thread's call counts for its CTA); it waits for our

@@ -124,11 +124,11 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
             and per_expert >= 2 * PREFILL_TILE else 1)
     if band > 1:
         rule += "+moe-prefill-band"
-    # moe-prefill-pairs: from 128 expected tokens an expert (the FLOPs take >= ~0.8 of the
-    # weight read's time), 128x192 tiles in pairs along M multicasting the weight tile: 42%
+    # moe-prefill-pairs: from 128 expected tokens an expert (a whole M tile each: the layer
+    # near compute-bound), 128x192 tiles in pairs along M multicasting the weight tile: 42%
     # fewer L2 bytes a FLOP, and the power cap then holds a higher clock (alone at the cap
     # 4-11% faster at 4096 tokens, level on Qwen3-30B-A3B; below, an expert's tile or two
-    # rarely share, and they lose 1-2%)
+    # rarely share a pair, and they lose 1-2%)
     pairs = prefill and per_expert >= PREFILL_PAIRS_MIN_TOKENS
     tile = PREFILL_PAIRS_CONFIG if pairs else MOE_PREFILL_CONFIG
     if pairs:
