@@ -380,15 +380,22 @@ def write_shards(path: str, tensors: Iterable, shard_bytes: float) -> int:
 
 
 def git_commit() -> str | None:
+    """HEAD's commit (FP8LINEAR_GIT_COMMIT where set: a copy of the tree whose .git is not
+    its own, as on the GPU machine), flagged when the code under it is modified in the work
+    tree: then HEAD did not produce the result alone."""
     if os.environ.get("FP8LINEAR_GIT_COMMIT"):
         return os.environ["FP8LINEAR_GIT_COMMIT"]
+    here = os.path.dirname(os.path.abspath(__file__))
     try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        r = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True,
-                           text=True, timeout=10)
-        return r.stdout.strip() or None if r.returncode == 0 else None
-    except Exception:
+        c = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True,
+                           text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain",
+                                "--untracked-files=no", "--", "../fp8linear", "../integrations",
+                                "../csrc"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
         return None
+    return (c + (" (fp8linear/, integrations/ or csrc/ modified in the work tree)"
+                 if dirty.strip() else "")) or None
 
 
 def utc_now() -> str:

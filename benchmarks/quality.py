@@ -55,6 +55,8 @@ import time
 import traceback
 from pathlib import Path
 
+import common
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 DATA = HERE / "quality_data"
@@ -441,19 +443,6 @@ def _device_desc(device: str) -> str:
     return f"CPU: {_cpu_name()}, {os.cpu_count()} cores"
 
 
-def _git_commit() -> str | None:
-    try:
-        c = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
-                           text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain",
-                                "--untracked-files=no", "--", "fp8linear", "integrations"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return (c + (" (fp8linear/ or integrations/ modified in the work tree)"
-                     if dirty else "")) or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def quantize_with_cli(bf16_dir, fp8_dir) -> list:
     """``fp8linear quantize BF16 FP8`` (the console script's module, in this Python)."""
     cmd = [sys.executable, "-m", "fp8linear.cli", "quantize", str(bf16_dir), str(fp8_dir),
@@ -519,7 +508,7 @@ def run(args) -> int:
         "device": _device_desc(device),
         "torch": torch.__version__, "transformers": transformers_version,
         "vllm": vllm_version() if "vllm" in engines else None,
-        "fp8linear_commit": _git_commit(),
+        "fp8linear_commit": common.git_commit(),
         "python": platform.python_version(),
         "command": "python benchmarks/quality.py " + " ".join(sys.argv[1:]),
         "quantize_command": quantize_cmd or f"(given: --fp8 {args.fp8})",
