@@ -175,8 +175,9 @@ def make_call(method, x, w13, s13, w2, s2, routes, deepgemm=None):
 def forced_pieces(pieces: str) -> dict:
     """The plan pieces an exploration method forces (backends/sm90/moe.py ``forced``), joined
     by "+": t<tile>, nopdl, prefill / decode, slots / sorted, g<band>, c<config> (the prefill
-    kernel's tile), s<splits> (the decode kernel's K splits), unfused (the prefill kernel's
-    gate_up without its SiLU-and-mul epilogue)."""
+    kernel's tile), s<splits> (the decode kernel's K splits), w<window> (the decode kernel's
+    weight stages in flight, 0: its whole ring), unfused (the prefill kernel's gate_up
+    without its SiLU-and-mul epilogue)."""
     over = {}
     for piece in pieces.split("+"):
         if piece == "nopdl":
@@ -187,9 +188,9 @@ def forced_pieces(pieces: str) -> dict:
             over["prefill"] = piece == "prefill"
         elif piece in ("slots", "sorted"):
             over["slot_tiles"] = piece == "slots"
-        elif piece[:1] in ("t", "g", "c", "s") and piece[1:].isdigit():
+        elif piece[:1] in ("t", "g", "c", "s", "w") and piece[1:].isdigit():
             over[{"t": "token_tile", "g": "group_m", "c": "prefill_config",
-                  "s": "splits"}[piece[0]]] = int(piece[1:])
+                  "s": "splits", "w": "window"}[piece[0]]] = int(piece[1:])
         else:
             raise ValueError(f"unknown forced piece {piece!r}")
     return over

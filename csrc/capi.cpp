@@ -298,6 +298,7 @@ FP8L_API const char* fp8l_decode(const DecodeCall* c) {
   d.ids_int64 = c->ids_int64;
   d.ids_ready = c->ids_ready;
   d.silu_in = c->silu_in;
+  d.window = c->window;
   if (d.tile_expert != nullptr) return result(fp8l::launch_moe_decode(d, s), "grouped decode");
   return result(fp8l::launch_decode(d, s), "decode");
 }

@@ -103,6 +103,9 @@ struct DecodeArgs {
   // topk_ids [M] (int64 where ids_int64); out [M, N] a row a (token, slot) pair; ids_ready: the
   // ids were written before the previous kernel (else read after waiting for it, under PDL).
   int top_k, ids_int64, ids_ready, silu_in;
+  // Weight stages a CTA keeps in flight: -1 the rule (decode_launch.cuh window_stages), 0 the
+  // whole ring, n > 0 at most n (relaying plans keep theirs)
+  int window;
 };
 std::string launch_decode(const DecodeArgs& args, cudaStream_t stream);
 // The grouped expert GEMM (sm90/moe.cu): fp8 x, 128-row CTAs, bf16/fp16 outputs.

@@ -47,6 +47,12 @@ inline int window_stages(int rows, int ctas_per_sm, int stages) {
   return w < stages ? w : 0;
 }
 
+// The window a plan asked for (DecodeArgs::window >= 0; benchmarks, tests), else the rule's
+inline int forced_window(int window, int rows, int ctas_per_sm, int stages) {
+  if (window < 0) return window_stages(rows, ctas_per_sm, stages);
+  return window < stages ? window : 0;
+}
+
 // Weight stages requested before the activations (0: the whole ring). Unsplit 64-row plans
 // over up to 64 K blocks in one wave request 8 stages (64 KB a CTA), then the activations,
 // then the rest of the ring: the activations, on the critical path once the previous kernel
@@ -113,7 +119,7 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
                  d.M,         d.N,        d.K,       num_kb,        d.splits,
                  stages,      d.pdl && d.early_trigger ? 1 : 0,
                  row_step,
-                 kRelay ? relay_stages(stages) : window_stages(kRows, kCtasPerSM, stages),
+                 kRelay ? relay_stages(stages) : forced_window(d.window, kRows, kCtasPerSM, stages),
                  first_stages(kRows, d.splits, kbs, grid.x * grid.y, kCtasPerSM * d.num_sms),
                  d.tile_expert};
   cudaLaunchConfig_t cfg = {};

@@ -46,7 +46,7 @@ _DECODE = _layout("decode", ("x", "x_scale", "w", "w_scale", "bias", "out", "str
                              "xs_stride_kb", "per_row", "bias_f32", "out_dtype", "m", "n", "k",
                              "config", "rows", "splits", "ctas_per_sm", "pdl", "early_trigger",
                              "quant_first", "experts", "top_k", "ids_int64", "ids_ready",
-                             "silu_in", "device"))
+                             "silu_in", "window", "device"))
 _IN = {torch.bfloat16: DTYPE_CODES["kInBF16"], torch.float16: DTYPE_CODES["kInFP16"],
        torch.float32: DTYPE_CODES["kInFP32"], torch.float8_e4m3fn: DTYPE_CODES["kInFP8"]}
 _OUT = {torch.bfloat16: DTYPE_CODES["kOutBF16"], torch.float16: DTYPE_CODES["kOutFP16"]}
@@ -123,14 +123,16 @@ class Library:
                           rows, splits, ctas_per_sm, pdl, early_trigger, quant_first, None)
 
     def grouped(self, x, x_scale, w, w_scale, out, tile_expert, ws_floats, tiles, config,
-                splits, ctas_per_sm, pdl) -> None:
+                splits, ctas_per_sm, pdl, window=-1) -> None:
         # the grouped expert GEMM (backends/sm90/moe.py): fp8 x sorted by expert in token
-        # tiles, tile_expert int32 [m / tile], w [E, n, k], 128x128 w_scale [E, ...]
+        # tiles, tile_expert int32 [m / tile], w [E, n, k], 128x128 w_scale [E, ...];
+        # window: weight stages in flight (-1 the kernel's rule, 0 the whole ring)
         self._decode_call(x, x_scale, w, w_scale, False, None, out, ws_floats, tiles, config,
-                          128, splits, ctas_per_sm, pdl, False, False, tile_expert)
+                          128, splits, ctas_per_sm, pdl, False, False, tile_expert,
+                          window=window)
 
     def grouped_slots(self, x, w, w_scale, out, topk_ids, ws_floats, tiles, splits,
-                      ctas_per_sm, pdl, silu_in, ids_ready) -> None:
+                      ctas_per_sm, pdl, silu_in, ids_ready, window=-1) -> None:
         # the grouped expert GEMM over slot tiles (backends/sm90/moe.py): a tile a (token,
         # slot) pair of topk_ids [M, k] (int32/int64), x bf16/fp16: the tokens [M, K], or with
         # silu_in the pairs' gate | up rows [M * k, 2K]; out [M * k, n]; ids_ready: topk_ids
@@ -138,11 +140,11 @@ class Library:
         self._decode_call(x, None, w, w_scale, False, None, out, ws_floats, tiles, 0, 128,
                           splits, ctas_per_sm, pdl, False, False, topk_ids,
                           (topk_ids.shape[1], topk_ids.dtype == torch.int64, ids_ready, silu_in),
-                          out.shape[0])
+                          out.shape[0], window)
 
     def _decode_call(self, x, x_scale, w, w_scale, per_row, bias, out, ws_floats, tiles, config,
                      rows, splits, ctas_per_sm, pdl, early_trigger, quant_first, tile_expert,
-                     slots=(0, False, False, False), m=None):
+                     slots=(0, False, False, False), m=None, window=-1):
         dev = x.device.index
         _check(self._decode(_DECODE.pack(
             x.data_ptr(), 0 if x_scale is None else x_scale.data_ptr(), w.data_ptr(),
@@ -153,7 +155,7 @@ class Library:
             bias is not None and bias.dtype == torch.float32, _OUT[out.dtype],
             x.shape[0] if m is None else m, w.shape[-2], w.shape[-1], config, rows, splits,
             ctas_per_sm, pdl, early_trigger, quant_first,
-            1 if tile_expert is None else w.shape[0], *slots, dev)))
+            1 if tile_expert is None else w.shape[0], *slots, window, dev)))
 
 
 def _check(err) -> None:

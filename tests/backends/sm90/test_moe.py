@@ -62,10 +62,29 @@ def test_one_token_runs_slot_tiles(model):
     e, k, h, i = MODELS[model]
     plan = moe_plan(1, k, e, h, i, 132)
     assert plan.slot_tiles and plan.rule.startswith("moe-slot-tiles+") and plan.token_tile == 8
-    # (a tile a pair: the CTAs are the pairs' row blocks, split as the sorted plan's would be)
+    # (a tile a pair: the CTAs are the pairs' row blocks, split as the sorted plan's would be;
+    # the sorted tiles keep 4 weight stages in flight, the slot tiles the kernel's 2)
     sorted_plan = moe_plan(1, k, e, h, i, 132, slot_tiles=False)
-    assert (plan.gate_up, plan.down) == (sorted_plan.gate_up, sorted_plan.down)
-    assert not sorted_plan.slot_tiles
+    unwindowed = dataclasses.replace
+    assert (plan.gate_up, plan.down) == (unwindowed(sorted_plan.gate_up, window=-1),
+                                         unwindowed(sorted_plan.down, window=-1))
+    assert not sorted_plan.slot_tiles and sorted_plan.gate_up.window == 4
+    assert "moe-decode-window" in sorted_plan.rule and "moe-decode-window" not in plan.rule
+
+
+@pytest.mark.parametrize("model, m, window", [
+    ("deepseek_v3", 32, 4), ("qwen3_30b_a3b", 256, 4),  # 8- / 16-token tiles, two CTAs an SM
+    ("mixtral_8x7b", 96, -1),                            # the prefill kernel: no ring window
+    ("deepseek_v3", 1, -1)])                             # slot tiles: the kernel's own
+def test_sorted_decode_tiles_keep_four_weight_stages_in_flight(model, m, window):
+    e, k, h, i = MODELS[model]
+    plan = moe_plan(m, k, e, h, i, 132)
+    assert (plan.gate_up.window, plan.down.window) == (window, window)
+    assert ("moe-decode-window" in plan.rule) == (window == 4)
+    from fp8linear.backends.sm90 import moe as sm90_moe
+    with sm90_moe.forced(token_tile=64):  # one CTA an SM: the kernel's rule (the whole ring)
+        forced = sm90_moe._apply_forced(moe_plan(32, k, e, h, i, 132), h, i)
+        assert (forced.gate_up.ctas_per_sm, forced.gate_up.window) == (1, -1)
 
 
 @pytest.mark.parametrize("model, most", [("qwen3_30b_a3b", 5), ("qwen3_235b_a22b", 2),
@@ -312,6 +331,26 @@ def test_prefill_tile_order_leaves_the_output_bitwise(group_m):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["decode", "slot_tiles"])
+@pytest.mark.parametrize("window", [0, 1, 3])
+def test_decode_window_leaves_the_output_bitwise(kernel, window):
+    # the weight stages in flight pace the loads only: every product and sum is the same
+    from fp8linear.backends.sm90 import moe as sm90_moe
+    gen = torch.Generator().manual_seed(window)
+    m = 3 if kernel == "slot_tiles" else 40
+    args = [t.cuda() for t in layer(gen, m, 16, 4, 1024, 512)]
+    with sm90_moe.forced(prefill=False, slot_tiles=kernel == "slot_tiles"):
+        want = fused_moe(*args)
+    _poison_cache()
+    with sm90_moe.forced(prefill=False, slot_tiles=kernel == "slot_tiles", window=window):
+        got = fused_moe(*args)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    if kernel == "decode":  # (slot tiles: each GEMM against fp64, test_slot_tiles_match_fp64)
+        assert R.rel_err(got, moe_reference(*args)) <= 1e-2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", MOE_PREFILL_CONFIGS[1:])
 @pytest.mark.parametrize("routing", ["random", "edges"])
 def test_prefill_tiles_leave_the_output_bitwise(config, routing):
@@ -381,6 +420,13 @@ def test_forced_pieces_are_checked_and_restored():
     with pytest.raises(ValueError, match=r"^group_m must be >= 1, got 0$"):
         with sm90_moe.forced(group_m=0):
             pass
+    with pytest.raises(ValueError, match=r"^window must be >= 0 \(0: the whole ring\), got -1$"):
+        with sm90_moe.forced(window=-1):
+            pass
+    assert moe_plan(1, 8, 128, 2048, 768, 132).gate_up.window == -1  # slot tiles: the kernel's
+    with sm90_moe.forced(window=3):
+        plan = sm90_moe._apply_forced(moe_plan(2, 8, 128, 2048, 768, 132), 2048, 768)
+        assert (plan.gate_up.window, plan.down.window) == (3, 3)
     with sm90_moe.forced(prefill=True):
         plan = sm90_moe._apply_forced(moe_plan(2, 8, 128, 2048, 768, 132), 2048, 768)
         assert (plan.prefill, plan.token_tile) == (True, 128)
