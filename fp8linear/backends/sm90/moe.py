@@ -95,6 +95,12 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
         # moe-token-tile-2x: wide experts with >= 16 tokens each take a tile of twice that,
         # so that the experts routed more than the mean still stream their weights once
         want, rule = 2 * per_expert, "moe-token-tile-2x"
+    elif hidden < TILE_2X_MIN_HIDDEN:
+        # moe-token-tile-spread: narrower experts take a tile that holds one standard
+        # deviation of an expert's tokens (sqrt of the mean) above the mean, so that few of
+        # them stream their weights twice (Qwen3-30B-A3B at 16 an expert: 32-token tiles 6%
+        # faster; at 12, 16-token tiles 5% faster than 32)
+        want, rule = per_expert + math.sqrt(per_expert), "moe-token-tile-spread"
     # moe-slot-tiles: a tile a (token, slot) pair, no routing: the route, gather and
     # SiLU-and-mul launches go (~7 us; gate_up reads the token's row, down its pair's gate_up
     # row, each quantizing in the kernel), but pairs of the same expert read its weights

@@ -28,7 +28,8 @@ def test_expected_active_experts():
 
 
 @pytest.mark.parametrize("model,m,tile", [
-    ("qwen3_30b_a3b", 8, 8), ("qwen3_30b_a3b", 64, 8), ("qwen3_30b_a3b", 256, 16),
+    ("qwen3_30b_a3b", 8, 8), ("qwen3_30b_a3b", 64, 8), ("qwen3_30b_a3b", 192, 16),
+    ("qwen3_30b_a3b", 208, 32), ("qwen3_30b_a3b", 256, 32),
     ("mixtral_8x7b", 2, 8), ("mixtral_8x7b", 16, 8), ("mixtral_8x7b", 64, 32),
     ("deepseek_v3", 16, 8), ("deepseek_v3", 640, 64),
     ("mixtral_8x7b", 16, 8), ("mixtral_8x7b", 80, 64), ("deepseek_v3", 512, 32),
@@ -37,8 +38,11 @@ def test_token_tile_holds_an_experts_expected_tokens(model, m, tile):
     e, k, h, i = MODELS[model]
     plan = moe_plan(m, k, e, h, i, 132)
     assert plan.token_tile == tile and "moe-token-tile" in plan.rule and not plan.prefill
-    # wide experts with >= 16 tokens each: twice the tokens (moe-token-tile-2x)
+    # wide experts with >= 16 tokens each: twice the tokens (moe-token-tile-2x); narrower
+    # ones the mean plus its square root (moe-token-tile-spread: Qwen3-30B-A3B 12 an expert
+    # at 192 tokens fit 16-token tiles, 13 at 208 take 32)
     assert ("moe-token-tile-2x" in plan.rule) == (h >= 4096 and m * k / min(e, m * k) >= 15.9)
+    assert ("moe-token-tile-spread" in plan.rule) == (h < 4096)
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
