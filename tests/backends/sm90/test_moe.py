@@ -147,6 +147,20 @@ def _poison_cache():
     torch.full((64 << 20,), float("nan"), device="cuda")
 
 
+def _bitwise_alike(args, want_pieces: dict, got_pieces: dict):
+    """fused_moe(*args) with got_pieces forced (backends.sm90.moe.forced), on NaN-poisoned
+    scratch: finite and bitwise that with want_pieces forced. Returns it."""
+    from fp8linear.backends.sm90 import moe as sm90_moe
+    with sm90_moe.forced(**want_pieces):
+        want = fused_moe(*args)
+    _poison_cache()
+    with sm90_moe.forced(**got_pieces):
+        got = fused_moe(*args)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    return got
+
+
 def _assert_rows_match_fp64(a64, experts, w, w_scale, got):
     """got's row i against fp64 a64[i] times expert experts[i]'s dequantized weights."""
     ids = torch.tensor(experts)
@@ -322,16 +336,9 @@ def test_slots_held_elsewhere_add_nothing(kernel):
 @pytest.mark.parametrize("group_m", [2, 8, 64])
 def test_prefill_tile_order_leaves_the_output_bitwise(group_m):
     # each 128x128 tile is one CTA's whole K, whatever order the CTAs walk the tiles in
-    from fp8linear.backends.sm90 import moe as sm90_moe
     gen = torch.Generator().manual_seed(group_m)
     args = [t.cuda() for t in layer(gen, 700, 8, 2, 512, 384)]
-    with sm90_moe.forced(prefill=True, group_m=1):
-        want = fused_moe(*args)
-    _poison_cache()
-    with sm90_moe.forced(prefill=True, group_m=group_m):
-        got = fused_moe(*args)
-    assert torch.isfinite(got).all()
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    _bitwise_alike(args, dict(prefill=True, group_m=1), dict(prefill=True, group_m=group_m))
 
 
 @pytest.mark.gpu
@@ -339,17 +346,11 @@ def test_prefill_tile_order_leaves_the_output_bitwise(group_m):
 @pytest.mark.parametrize("window", [0, 1, 3])
 def test_decode_window_leaves_the_output_bitwise(kernel, window):
     # the weight stages in flight pace the loads only: every product and sum is the same
-    from fp8linear.backends.sm90 import moe as sm90_moe
     gen = torch.Generator().manual_seed(window)
     m = 3 if kernel == "slot_tiles" else 40
     args = [t.cuda() for t in layer(gen, m, 16, 4, 1024, 512)]
-    with sm90_moe.forced(prefill=False, slot_tiles=kernel == "slot_tiles"):
-        want = fused_moe(*args)
-    _poison_cache()
-    with sm90_moe.forced(prefill=False, slot_tiles=kernel == "slot_tiles", window=window):
-        got = fused_moe(*args)
-    assert torch.isfinite(got).all()
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    plan = dict(prefill=False, slot_tiles=kernel == "slot_tiles")
+    got = _bitwise_alike(args, plan, dict(plan, window=window))
     if kernel == "decode":  # (slot tiles: each GEMM against fp64, test_slot_tiles_match_fp64)
         assert R.rel_err(got, moe_reference(*args)) <= 1e-2
 
@@ -362,18 +363,12 @@ def test_prefill_tiles_leave_the_output_bitwise(config, routing):
     # the default one: pairs along M (multicasting the weights where both M blocks hold one
     # expert, else not; an M block of none idle), 192 columns (a last tile past N: 512 and
     # 768 columns), one partial or two. "edges": experts of 0-3 tiles, so pairs of both kinds
-    from fp8linear.backends.sm90 import moe as sm90_moe
     gen = torch.Generator().manual_seed(config)
     m, e, k = (700, 8, 2) if routing == "random" else (sum(EDGE_COUNTS), 8, 1)
     args = [t.cuda() for t in layer(gen, m, e, k, 512, 384, routing)]
     fused = GEMM_TILES[config].bn == 128  # (the SiLU-and-mul epilogue's tiles)
-    with sm90_moe.forced(prefill=True, fused_act=fused):
-        want = fused_moe(*args)
-    _poison_cache()
-    with sm90_moe.forced(prefill=True, fused_act=fused, prefill_config=config):
-        got = fused_moe(*args)
-    assert torch.isfinite(got).all()
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    plan = dict(prefill=True, fused_act=fused)
+    _bitwise_alike(args, plan, dict(plan, prefill_config=config))
 
 
 @pytest.mark.gpu
