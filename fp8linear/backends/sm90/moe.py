@@ -156,11 +156,7 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
             # beside >= 2 weight stages (16 KB each) in two CTAs' share of an SM: <= 64 K
             # blocks a split (DeepSeek-V3's 56 run unsplit, Mixtral's 112 in 4 splits anyway)
             splits = max(splits, cdiv(num_kb, SLOT_TILES_MAX_KBS))
-        # moe-decode-window: sorted tiles two CTAs an SM keep 4 weight stages in flight a CTA,
-        # not the dense decode's 2 (its activations wait behind queued weights; here the
-        # weight stream is the layer: 1-2% faster); slot tiles keep 2 (4: M = 1 slower)
-        window = SORTED_WINDOW if ctas == 2 and not slot_tiles else -1
-        return GroupedGemmPlan(splits, ctas, window=window)
+        return GroupedGemmPlan(splits, ctas, window=decode_window(ctas, slot_tiles))
 
     # moe-pdl: each grouped GEMM launches under PDL and streams its experts' weights while
     # the kernel before it (gather + quant, SiLU-and-mul + quant) runs: the routing that chose
@@ -184,6 +180,14 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
     return MoePlan(config, gemm(2 * inter, hidden), gemm(hidden, inter), True, prefill,
                    parallel, slot_tiles, fused_act,
                    rule + ("+moe-route-parallel" if parallel else ""))
+
+
+def decode_window(ctas_per_sm: int, slot_tiles: bool) -> int:
+    """moe-decode-window: sorted tiles two CTAs an SM keep 4 weight stages in flight a CTA,
+    not the dense decode's 2 (its activations wait behind queued weights; here the weight
+    stream is the layer: 1-2% faster); slot tiles keep the kernel's 2 (4: M = 1 slower).
+    -1: the kernel's rule."""
+    return SORTED_WINDOW if ctas_per_sm == 2 and not slot_tiles else -1
 
 
 def prefill_takes(hidden: int, inter: int) -> bool:
@@ -268,10 +272,9 @@ def _apply_forced(plan: MoePlan, hidden: int, inter: int) -> MoePlan:
         splits = min(_forced.get("splits", old.splits), cdiv(k, BLOCK))
         group_m = _forced.get("group_m", old.group_m)
         ctas = 2 if bt <= TWO_PER_SM_MAX_BT else 1
-        window = SORTED_WINDOW if ctas == 2 and not plan.slot_tiles else -1
         return GroupedGemmPlan(splits, ctas, group_m,
                                _forced.get("prefill_config", old.prefill_config),
-                               _forced.get("window", window))
+                               _forced.get("window", decode_window(ctas, plan.slot_tiles)))
     return MoePlan(config, g(plan.gate_up, hidden), g(plan.down, inter),
                    _forced.get("pdl", plan.pdl), prefill, plan.parallel_route, plan.slot_tiles,
                    fused_act, "forced")
