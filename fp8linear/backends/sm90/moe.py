@@ -141,6 +141,8 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
     tile = PREFILL_PAIRS_CONFIG if pairs else MOE_PREFILL_CONFIG
     if pairs:
         rule += "+moe-prefill-pairs"
+    ctas = ctas_per_sm(bt)
+    window = decode_window(ctas, slot_tiles)
 
     def gemm(n: int, k: int) -> GroupedGemmPlan:
         if prefill:  # (the persistent kernel walks whole K: nothing to split)
@@ -148,7 +150,6 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
         # moe-split-fill: split K until the expected CTAs fill the SMs' slots in one wave,
         # keeping >= 2 K blocks a split (the reduction pass costs more below that)
         num_kb = cdiv(k, BLOCK)
-        ctas = 2 if bt <= TWO_PER_SM_MAX_BT else 1
         grid = max(1.0, cdiv(n, ROWS) * tiles)
         splits = max(1, min(int(ctas * sms // grid), num_kb // 2))
         if slot_tiles:
@@ -156,7 +157,7 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
             # beside >= 2 weight stages (16 KB each) in two CTAs' share of an SM: <= 64 K
             # blocks a split (DeepSeek-V3's 56 run unsplit, Mixtral's 112 in 4 splits anyway)
             splits = max(splits, cdiv(num_kb, SLOT_TILES_MAX_KBS))
-        return GroupedGemmPlan(splits, ctas, window=decode_window(ctas, slot_tiles))
+        return GroupedGemmPlan(splits, ctas, window=window)
 
     # moe-pdl: each grouped GEMM launches under PDL and streams its experts' weights while
     # the kernel before it (gather + quant, SiLU-and-mul + quant) runs: the routing that chose
@@ -168,7 +169,7 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
     # the slots grows with them (measured crossover 128-512)
     parallel = slots >= PARALLEL_ROUTE_MIN_SLOTS
     rule += "+moe-pdl" if prefill else "+moe-split-fill+moe-pdl"
-    if not prefill and not slot_tiles and bt <= TWO_PER_SM_MAX_BT:
+    if not prefill and window > 0:
         rule += "+moe-decode-window"
     # moe-prefill-fused-act: hidden <= 4096 on 128-column tiles, the prefill kernel's gate_up
     # writes h = SiLU(gate) * up quantized (its epilogue), not gate_up in x's dtype for a
@@ -182,12 +183,17 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
                    rule + ("+moe-route-parallel" if parallel else ""))
 
 
-def decode_window(ctas_per_sm: int, slot_tiles: bool) -> int:
+def ctas_per_sm(token_tile: int) -> int:
+    """The decode kernel's CTAs an SM at a token tile: two for tiles <= 32 (moe.cu)."""
+    return 2 if token_tile <= TWO_PER_SM_MAX_BT else 1
+
+
+def decode_window(ctas: int, slot_tiles: bool) -> int:
     """moe-decode-window: sorted tiles two CTAs an SM keep 4 weight stages in flight a CTA,
     not the dense decode's 2 (its activations wait behind queued weights; here the weight
     stream is the layer: 1-2% faster); slot tiles keep the kernel's 2 (4: M = 1 slower).
     -1: the kernel's rule."""
-    return SORTED_WINDOW if ctas_per_sm == 2 and not slot_tiles else -1
+    return SORTED_WINDOW if ctas == 2 and not slot_tiles else -1
 
 
 def prefill_takes(hidden: int, inter: int) -> bool:
@@ -271,7 +277,7 @@ def _apply_forced(plan: MoePlan, hidden: int, inter: int) -> MoePlan:
     def g(old: GroupedGemmPlan, k: int) -> GroupedGemmPlan:
         splits = min(_forced.get("splits", old.splits), cdiv(k, BLOCK))
         group_m = _forced.get("group_m", old.group_m)
-        ctas = 2 if bt <= TWO_PER_SM_MAX_BT else 1
+        ctas = ctas_per_sm(bt)
         return GroupedGemmPlan(splits, ctas, group_m,
                                _forced.get("prefill_config", old.prefill_config),
                                _forced.get("window", decode_window(ctas, plan.slot_tiles)))
