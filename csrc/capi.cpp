@@ -299,6 +299,8 @@ FP8L_API const char* fp8l_decode(const DecodeCall* c) {
   d.ids_ready = c->ids_ready;
   d.silu_in = c->silu_in;
   d.window = c->window;
+  d.route_ids = c->route_ids;
+  d.route_slots = c->route_slots;
   if (d.tile_expert != nullptr) return result(fp8l::launch_moe_decode(d, s), "grouped decode");
   return result(fp8l::launch_decode(d, s), "decode");
 }

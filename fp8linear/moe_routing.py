@@ -38,6 +38,8 @@ class Routing:
     tile_expert: torch.Tensor  # int32 [max_tiles]: the expert of each tile, -1: unused
     row_token: torch.Tensor    # int64 [max_tiles * token_tile]: source token, -1: padding
     slot_row: torch.Tensor     # int64 [M, top_k]: the sorted row of each (token, slot), -1: none
+    ids: torch.Tensor          # [M, top_k]: the expert ids sorted (a grouped GEMM may find its
+                               # tiles' experts from them: backends/sm90/moe.py moe-tile-route)
 
     @property
     def rows(self) -> int:
@@ -77,7 +79,7 @@ def route(topk_ids: torch.Tensor, num_experts: int, token_tile: int) -> Routing:
     starts = torch.arange(tiles, device=dev) * token_tile
     expert = torch.searchsorted(ends[:num_experts], starts, right=True)
     tile_expert = torch.where(expert < num_experts, expert, -1).to(torch.int32)
-    return Routing(token_tile, tile_expert, row_token, slot_row.view(m, k))
+    return Routing(token_tile, tile_expert, row_token, slot_row.view(m, k), topk_ids)
 
 
 def cdiv_t(a: torch.Tensor, b: int) -> torch.Tensor:

@@ -106,6 +106,11 @@ struct DecodeArgs {
   // Weight stages a CTA keeps in flight: -1 the rule (decode_launch.cuh window_stages), 0 the
   // whole ring, n > 0 at most n (relaying plans keep theirs)
   int window;
+  // Grouped sorted tiles, route_slots > 0: route_ids holds the route_slots (token, slot) expert
+  // ids (int64 where ids_int64), written before the previous kernel, from which the first
+  // wave's CTAs find their tile's expert (moe-tile-route); later ones read tile_expert
+  const void* route_ids;
+  int route_slots;
 };
 std::string launch_decode(const DecodeArgs& args, cudaStream_t stream);
 // The grouped expert GEMM (sm90/moe.cu): fp8 x, 128-row CTAs, bf16/fp16 outputs.

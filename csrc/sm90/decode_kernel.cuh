@@ -63,17 +63,23 @@ struct DecodeParams {
   const float* x_scale;  // scale of (m, kb) at x_scale[m * xs_stride_m + kb * xs_stride_kb]
   int xs_stride_m, xs_stride_kb;
   const float* w_scale;
-  const void* bias;      // output dtype, or fp32 (bias_f32: added without rounding first)
+  union {
+    const void* bias;    // output dtype, or fp32 (bias_f32: added without rounding first)
+    const void* route_ids;  // kGrouped (no bias): route_slots (below)
+  };
   bool bias_f32;
-  bool ids_int64, ids_ready, silu_in;  // kSlots (below)
-  int experts;           // kSlots (below)
+  bool ids_int64, ids_ready, silu_in;  // kSlots; ids_int64 also route_slots (below)
+  int experts;           // kSlots, route_slots (below)
   void* out;
   float* workspace;
   int* counters;
   int M, N, K, num_kb, splits, stages;
   int early_trigger;     // PDL: let the next kernel launch at our start, not after the prologue
-  int row_step;          // kRowStep: the weight rows a CTA owns, 72..120 (a multiple of 8), so
+  union {
+    int row_step;        // kRowStep: the weight rows a CTA owns, 72..120 (a multiple of 8), so
                          // that N / row_step CTAs fill the SMs (backends/sm90/plan.py: _decode_rows)
+    int route_slots;     // kGrouped sorted tiles (below)
+  };
   int window;            // weight stages in flight at most (0: the whole ring; kRelay: 1 ..
                          // stages - 1; decode.cu)
   int first_stages;      // weight stages requested before the activations at most (0: the ring)
@@ -84,9 +90,68 @@ struct DecodeParams {
   // 0..experts-1 leave the row unwritten); ids_ready: written before the previous kernel (else
   // read after griddepcontrol.wait). silu_in: x holds [M, 2K] gate | up rows of this tile's
   // pair, SiLU-and-mul before the quantization.
+  // Sorted tiles, route_slots > 0: route_ids holds the route_slots (token, slot) expert ids
+  // (int64 where ids_int64), written before the previous kernel, and the first wave's CTAs
+  // find their tile's expert from them (tile_expert_from_ids), so that their weights stream
+  // before the routing kernel is done; later CTAs, starting after it, read tile_expert.
   const int* tile_expert;
 };
 static_assert(sizeof(DecodeParams) == 128, "see above");
+
+// Sorted tile y's expert from the (token, slot) ids, as fp8linear/moe_routing.py's route places
+// them: the first expert whose rows, each expert's padded to whole BT-token tiles, end after the
+// tile's first row (-1: past them all; ids outside 0..experts-1 take no row). `counts`: shared
+// scratch of experts + 1 ints, free again on return.
+template <int BT>
+__device__ __forceinline__ int tile_expert_from_ids(const DecodeParams& p, int* counts) {
+  const int experts = p.experts;
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[e] = 0;
+  __syncthreads();
+  for (int s = threadIdx.x; s < p.route_slots; s += blockDim.x) {
+    const long long id = p.ids_int64
+                             ? __ldg(static_cast<const long long*>(p.route_ids) + s)
+                             : __ldg(static_cast<const int*>(p.route_ids) + s);
+    if (id >= 0 && id < experts) atomicAdd(&counts[id], 1);
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) {  // lane l: experts [l * per, (l + 1) * per), a scan over the lanes
+    const int lane = threadIdx.x, per = (experts + 31) / 32;
+    const int lo = min(lane * per, experts), hi = min(lo + per, experts);
+    int rows = 0;
+    for (int e = lo; e < hi; ++e) rows += (counts[e] + BT - 1) / BT * BT;
+    int end = rows;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int v = __shfl_up_sync(0xffffffffu, end, d);
+      if (lane >= d) end += v;
+    }
+    const int row = blockIdx.y * BT;
+    int found = -1;
+    if (row >= end - rows && row < end) {  // (one lane at most: the ranges are disjoint)
+      int at = end - rows;
+      for (int e = lo; e < hi && found < 0; ++e) {
+        at += (counts[e] + BT - 1) / BT * BT;
+        if (at > row) found = e;
+      }
+    }
+    const unsigned any = __ballot_sync(0xffffffffu, found >= 0);
+    if (found >= 0 || (lane == 0 && any == 0)) counts[experts] = found;
+  }
+  __syncthreads();
+  const int e = counts[experts];
+  __syncthreads();  // (the scratch is the weight ring's)
+  return e;
+}
+
+// Whether this CTA is one of the grid's first kCtasPerSM an SM (its first wave, launched
+// together; CTAs start in index order).
+template <int kCtasPerSM>
+__device__ __forceinline__ bool first_wave_cta() {
+  uint32_t sms;
+  asm("mov.u32 %0, %%nsmid;" : "=r"(sms));
+  const uint32_t cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  return cta < kCtasPerSM * sms;
+}
 
 // kRowStep: a 128-row CTA owning only p.row_step rows (a box of that many lands in its stage;
 // the other rows' results are never stored), its own instantiation so that every other plan
@@ -110,6 +175,10 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
   static_assert(!kSlots || kGrouped, "slot tiles are grouped");
   // (grouped) this tile's expert: its first row in the [E * N, K] weights and its scales.
   // The routing that wrote tile_expert finished before the kernel before us let us launch.
+  extern __shared__ uint8_t smem_raw[];
+  // aligned as an offset into smem_raw, so that the pointers stay shared ones (LDS; see
+  // gemm_kernel.cuh)
+  uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   int wrow0 = 0;
   const float* w_scale = p.w_scale;
   if constexpr (kGrouped) {
@@ -120,7 +189,11 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
                                ? __ldg(reinterpret_cast<const long long*>(p.tile_expert) + blockIdx.y)
                                : __ldg(p.tile_expert + blockIdx.y);
       e = id >= 0 && id < p.experts ? int(id) : -1;
+    } else if (p.route_slots > 0 && first_wave_cta<kCtasPerSM>()) {
+      e = tile_expert_from_ids<BT>(p, reinterpret_cast<int*>(smem));
     } else {
+      // (route_slots: a later CTA starts as an earlier one ends, the routing done by then)
+      if (p.route_slots > 0) pdl_wait();
       e = __ldg(p.tile_expert + blockIdx.y);
     }
     if (e < 0) return;
@@ -128,10 +201,6 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
     w_scale += size_t(e) * (kPerRow ? p.N : (p.N + kDecodeMaxRows - 1) / kDecodeMaxRows) *
                p.num_kb;
   }
-  extern __shared__ uint8_t smem_raw[];
-  // aligned as an offset into smem_raw, so that the pointers stay shared ones (LDS; see
-  // gemm_kernel.cuh)
-  uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   // this CTA's K range: splits as even as possible, the first `rem` one block longer
   const int base = p.num_kb / p.splits, rem = p.num_kb % p.splits;
   const int split = blockIdx.z;
@@ -452,7 +521,7 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
 
   // 3. epilogue
   OutT* out = static_cast<OutT*>(p.out);
-  const OutT* bias = static_cast<const OutT*>(p.bias);
+  const OutT* bias = kGrouped ? nullptr : static_cast<const OutT*>(p.bias);
   auto bias_at = [&](int n) {
     return p.bias_f32 ? static_cast<const float*>(p.bias)[n] : to_f(bias[n]);
   };

@@ -42,15 +42,10 @@ inline int pick_stages(int rows, int bt, int kbs, bool per_row, bool fused, bool
 // the memory system ahead of the loads each kernel's critical path waits for (activations,
 // the quant kernel's reads, the split reduction): 2 stages (32 KB) a CTA keep HBM busy
 // without that queue. Other plans lose with a window (docs/tuning.md: decode-weight-window).
-inline int window_stages(int rows, int ctas_per_sm, int stages) {
-  const int w = rows == kDecodeMaxRows && ctas_per_sm == 2 ? 2 : 0;
+// `forced` >= 0: the window a plan asked for (DecodeArgs::window; the MoE plans, tests).
+inline int window_stages(int rows, int ctas_per_sm, int stages, int forced = -1) {
+  const int w = forced >= 0 ? forced : rows == kDecodeMaxRows && ctas_per_sm == 2 ? 2 : 0;
   return w < stages ? w : 0;
-}
-
-// The window a plan asked for (DecodeArgs::window >= 0; benchmarks, tests), else the rule's
-inline int forced_window(int window, int rows, int ctas_per_sm, int stages) {
-  if (window < 0) return window_stages(rows, ctas_per_sm, stages);
-  return window < stages ? window : 0;
 }
 
 // Weight stages requested before the activations (0: the whole ring). Unsplit 64-row plans
@@ -114,12 +109,12 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
   const dim3 grid((d.N + row_step - 1) / row_step, kSlots ? d.M : (d.M + BT - 1) / BT, d.splits);
   // (first_stages leaves out the row-step CTAs, 128 rows, and the relaying ones, split K)
   DecodeParams p{d.x,         d.x_dtype,  d.top_k,   d.x_scale,     d.xs_stride_m,
-                 d.xs_stride_kb, d.w_scale, d.bias,  d.bias_f32,    d.ids_int64 != 0,
+                 d.xs_stride_kb, d.w_scale, {kGrouped ? d.route_ids : d.bias}, d.bias_f32,    d.ids_int64 != 0,
                  d.ids_ready != 0, d.silu_in != 0, d.experts, d.out, d.workspace, d.counters,
                  d.M,         d.N,        d.K,       num_kb,        d.splits,
                  stages,      d.pdl && d.early_trigger ? 1 : 0,
-                 row_step,
-                 kRelay ? relay_stages(stages) : forced_window(d.window, kRows, kCtasPerSM, stages),
+                 kGrouped && !kSlots ? d.route_slots : row_step,
+                 kRelay ? relay_stages(stages) : window_stages(kRows, kCtasPerSM, stages, d.window),
                  first_stages(kRows, d.splits, kbs, grid.x * grid.y, kCtasPerSM * d.num_sms),
                  d.tile_expert};
   cudaLaunchConfig_t cfg = {};

@@ -61,6 +61,10 @@ std::string launch_moe_decode(const DecodeArgs& d, cudaStream_t stream) {
   if (d.out_dtype != kOutBF16 && d.out_dtype != kOutFP16) return "outputs are bf16 or fp16";
   if (d.top_k > 0) return launch_slots(d, stream);
   if (d.x_dtype != kInFP8) return "grouped GEMMs take fp8 activations (sorted by expert)";
+  if (d.bias != nullptr) return "grouped GEMMs take no bias";
+  // (route_slots: the CTA counts the experts' slots in its weight ring, >= 16 KB)
+  if (d.route_slots < 0 || (d.route_slots > 0 && (d.route_ids == nullptr || d.experts > 4095)))
+    return "route_slots must be >= 0, and 0 without route_ids or above 4095 experts";
   int config = 0;
 #define FP8L_DECODE_TILE(tokens) \
   if (d.config == config++) {    \

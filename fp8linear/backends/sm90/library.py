@@ -42,11 +42,12 @@ _GEMM = _layout("gemm", ("a", "a_scale_t", "w", "w_scale", "bias", "out", "strea
                          "out_dtype", "m", "n", "k", "config", "pdl", "quant_pdl", "early_b",
                          "group_m", "experts", "device"))
 _DECODE = _layout("decode", ("x", "x_scale", "w", "w_scale", "bias", "out", "stream",
-                             "tile_expert", "ws_floats", "tiles", "x_dtype", "xs_stride_m",
+                             "tile_expert", "route_ids", "ws_floats", "tiles", "x_dtype",
+                             "xs_stride_m",
                              "xs_stride_kb", "per_row", "bias_f32", "out_dtype", "m", "n", "k",
                              "config", "rows", "splits", "ctas_per_sm", "pdl", "early_trigger",
                              "quant_first", "experts", "top_k", "ids_int64", "ids_ready",
-                             "silu_in", "window", "device"))
+                             "silu_in", "window", "route_slots", "device"))
 _IN = {torch.bfloat16: DTYPE_CODES["kInBF16"], torch.float16: DTYPE_CODES["kInFP16"],
        torch.float32: DTYPE_CODES["kInFP32"], torch.float8_e4m3fn: DTYPE_CODES["kInFP8"]}
 _OUT = {torch.bfloat16: DTYPE_CODES["kOutBF16"], torch.float16: DTYPE_CODES["kOutFP16"]}
@@ -123,13 +124,17 @@ class Library:
                           rows, splits, ctas_per_sm, pdl, early_trigger, quant_first, None)
 
     def grouped(self, x, x_scale, w, w_scale, out, tile_expert, ws_floats, tiles, config,
-                splits, ctas_per_sm, pdl, window=-1) -> None:
+                splits, ctas_per_sm, pdl, window=-1, ids=None) -> None:
         # the grouped expert GEMM (backends/sm90/moe.py): fp8 x sorted by expert in token
         # tiles, tile_expert int32 [m / tile], w [E, n, k], 128x128 w_scale [E, ...];
-        # window: weight stages in flight (-1 the kernel's rule, 0 the whole ring)
+        # window: weight stages in flight (-1 the kernel's rule, 0 the whole ring); ids: the
+        # contiguous topk_ids (int32/int64) that the routing sorted, written before the
+        # previous kernel: the first wave's CTAs find their tile's expert from them (the
+        # routing may still run), later ones read tile_expert
+        slots = (0, ids is not None and ids.dtype == torch.int64, False, False)
         self._decode_call(x, x_scale, w, w_scale, False, None, out, ws_floats, tiles, config,
-                          128, splits, ctas_per_sm, pdl, False, False, tile_expert,
-                          window=window)
+                          128, splits, ctas_per_sm, pdl, False, False, tile_expert, slots,
+                          window=window, route_ids=ids)
 
     def grouped_slots(self, x, w, w_scale, out, topk_ids, ws_floats, tiles, splits,
                       ctas_per_sm, pdl, silu_in, ids_ready, window=-1) -> None:
@@ -144,18 +149,20 @@ class Library:
 
     def _decode_call(self, x, x_scale, w, w_scale, per_row, bias, out, ws_floats, tiles, config,
                      rows, splits, ctas_per_sm, pdl, early_trigger, quant_first, tile_expert,
-                     slots=(0, False, False, False), m=None, window=-1):
+                     slots=(0, False, False, False), m=None, window=-1, route_ids=None):
         dev = x.device.index
         _check(self._decode(_DECODE.pack(
             x.data_ptr(), 0 if x_scale is None else x_scale.data_ptr(), w.data_ptr(),
             w_scale.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-            _stream(dev), 0 if tile_expert is None else tile_expert.data_ptr(), ws_floats,
+            _stream(dev), 0 if tile_expert is None else tile_expert.data_ptr(),
+            0 if route_ids is None else route_ids.data_ptr(), ws_floats,
             tiles, _IN[x.dtype], 0 if x_scale is None else x_scale.stride(0),
             0 if x_scale is None else x_scale.stride(1), per_row,
             bias is not None and bias.dtype == torch.float32, _OUT[out.dtype],
             x.shape[0] if m is None else m, w.shape[-2], w.shape[-1], config, rows, splits,
             ctas_per_sm, pdl, early_trigger, quant_first,
-            1 if tile_expert is None else w.shape[0], *slots, window, dev)))
+            1 if tile_expert is None else w.shape[0], *slots, window,
+            0 if route_ids is None else route_ids.numel(), dev)))
 
 
 def _check(err) -> None:

@@ -69,6 +69,7 @@ class MoePlan:
     parallel_route: bool = False  # moe-route-parallel: routing in three parallel launches
     slot_tiles: bool = False      # moe-slot-tiles: no routing, a tile a (token, slot) pair
     fused_act: bool = False       # moe-prefill-fused-act: SiLU-and-mul + quant in gate_up
+    tile_route: bool = False      # moe-tile-route: gate_up finds its tiles' experts from the ids
     rule: str = dataclasses.field(default="", compare=False)
 
     @property
@@ -178,8 +179,14 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
     # weigh less than its epilogue)
     fused_act = prefill and fused_act_takes(hidden, tile)
     rule += "+moe-prefill-fused-act" if fused_act else ""
+    # moe-tile-route: the decode kernel's gate_up CTAs count the ids' slots an expert
+    # themselves and find their tile's expert, not reading tile_expert: the routing no longer
+    # gates gate_up's weight stream (the routing and the gather let gate_up launch at their
+    # start), which the layer waited for (5-9 us a layer with the routing's launches)
+    tile_route = not prefill and not slot_tiles
+    rule += "+moe-tile-route" if tile_route else ""
     return MoePlan(config, gemm(2 * inter, hidden), gemm(hidden, inter), True, prefill,
-                   parallel, slot_tiles, fused_act,
+                   parallel, slot_tiles, fused_act, tile_route,
                    rule + ("+moe-route-parallel" if parallel else ""))
 
 
@@ -215,12 +222,14 @@ _forced: dict = {}
 def forced(token_tile: int | None = None, splits: int | None = None, pdl: bool | None = None,
            prefill: bool | None = None, slot_tiles: bool | None = None,
            group_m: int | None = None, fused_act: bool | None = None,
-           prefill_config: int | None = None, window: int | None = None):
+           prefill_config: int | None = None, window: int | None = None,
+           tile_route: bool | None = None):
     """Overrides the rules' token tile, both GEMMs' K splits, PDL, the prefill kernel (which
     takes 128-token tiles only), the slot tiles (8-token tiles, not with the prefill
     kernel), the prefill kernel's tile order band, its SiLU-and-mul epilogue and its tile
     (one of MOE_PREFILL_CONFIGS; the epilogue runs 128-column tiles) and the decode kernel's
-    weight stages in flight (0: its whole ring) (benchmarks, tests)."""
+    weight stages in flight (0: its whole ring) and gate_up's tile experts from the ids
+    (moe-tile-route; the decode kernel's sorted tiles) (benchmarks, tests)."""
     if token_tile is not None and token_tile not in DECODE_TILES:
         raise ValueError(f"token_tile must be one of {DECODE_TILES}, got {token_tile}")
     if slot_tiles and (prefill or token_tile not in (None, DECODE_TILES[0])):
@@ -245,7 +254,7 @@ def forced(token_tile: int | None = None, splits: int | None = None, pdl: bool |
                                       ("slot_tiles", slot_tiles), ("group_m", group_m),
                                       ("fused_act", fused_act),
                                       ("prefill_config", prefill_config),
-                                      ("window", window))
+                                      ("window", window), ("tile_route", tile_route))
                    if v is not None})
     try:
         yield
@@ -268,6 +277,11 @@ def _apply_forced(plan: MoePlan, hidden: int, inter: int) -> MoePlan:
     if fused_act and GEMM_TILES[tile].bn != PREFILL_TILE_N:
         raise ValueError(f"the SiLU-and-mul epilogue runs {PREFILL_TILE_N}-column tiles, got "
                          f"prefill_config={tile} ({GEMM_TILES[tile].bn} columns)")
+    tile_route = not prefill and not plan.slot_tiles
+    if _forced.get("tile_route") and not tile_route:
+        raise ValueError("tile_route=True runs the decode kernel's sorted tiles, got the "
+                         + ("prefill kernel" if prefill else "slot tiles"))
+    tile_route = _forced.get("tile_route", tile_route)
     if "token_tile" in _forced:
         config = DECODE_TILES.index(_forced["token_tile"])
     if prefill:
@@ -283,7 +297,7 @@ def _apply_forced(plan: MoePlan, hidden: int, inter: int) -> MoePlan:
                                _forced.get("window", decode_window(ctas, plan.slot_tiles)))
     return MoePlan(config, g(plan.gate_up, hidden), g(plan.down, inter),
                    _forced.get("pdl", plan.pdl), prefill, plan.parallel_route, plan.slot_tiles,
-                   fused_act, "forced")
+                   fused_act, tile_route, "forced")
 
 
 def supported(hidden: int, inter: int, block_scales: bool) -> bool:
@@ -306,7 +320,8 @@ def _grouped_gemm(plan: MoePlan):
         tiles = cdiv(w.shape[1], ROWS) * r.tile_expert.shape[0]
         library.load().grouped(a, a_scale, w, w_scale, out, r.tile_expert,
                                _partials(g, tiles, r.token_tile), tiles,
-                               plan.config, g.splits, g.ctas_per_sm, plan.pdl, g.window)
+                               plan.config, g.splits, g.ctas_per_sm, plan.pdl, g.window,
+                               r.ids if which == 0 and plan.tile_route else None)
     return run
 
 
@@ -370,7 +385,11 @@ def _gate_up_silu_quant(plan: MoePlan):
 @functools.lru_cache(maxsize=None)
 def stages(plan: MoePlan) -> Stages:
     route = triton_moe.route_parallel if plan.parallel_route else triton_moe.route
-    return Stages(route, triton_moe.gather_quant, _grouped_gemm(plan), triton_moe.silu_mul_quant,
-                  triton_moe.combine, _gate_up_silu_quant(plan) if plan.fused_act else None)
+    # (moe-tile-route: gate_up reads no routing output before its wait)
+    early = {"early_next": True} if plan.tile_route else {}
+    return Stages(functools.partial(route, **early),
+                  functools.partial(triton_moe.gather_quant, **early), _grouped_gemm(plan),
+                  triton_moe.silu_mul_quant, triton_moe.combine,
+                  _gate_up_silu_quant(plan) if plan.fused_act else None)
 
 

@@ -25,6 +25,10 @@ nothing for them.
 Every launch is a PDL launch where the GPU has them (norm_quant.py's protocol: wait for the
 kernel before, then let the next one launch after the last load), so that each one's launch
 overlaps the tail of the kernel before it: the layer is a chain of six dependent launches.
+``early_next`` (moe-tile-route: gate_up finds its tiles' experts from the ids, reading nothing
+of the routing before its own wait): the routing's first launch lets the next one launch
+right after its wait (so the kernel that wrote the ids is done), and the later ones, through
+the gather, at their start, so that gate_up streams its weights while they run.
 """
 from __future__ import annotations
 
@@ -43,6 +47,14 @@ from .quant import needs_round_first, quant_group
 ROUTE_TILE_ELEMENTS = 16384
 # experts a program of the parallel routing's scan (their chunks' counts walked in parallel)
 SCAN_EXPERTS = 16
+
+
+@triton.jit
+def _enter(USE_GDC: tl.constexpr, NEXT_FIRST: tl.constexpr):
+    """pdl_acquire; NEXT_FIRST: the next launch let go first (it waits for us itself)."""
+    if USE_GDC and NEXT_FIRST:
+        tl.extra.cuda.gdc_launch_dependents()
+    pdl_acquire(USE_GDC, False)
 
 
 @triton.jit
@@ -95,8 +107,9 @@ def _fill_padding(row_token_ptr, r_begin, r_end, ROWS, BLOCK_S: tl.constexpr):
 @triton.jit
 def _route_kernel(ids_ptr, tile_expert_ptr, row_token_ptr, slot_row_ptr, S, TOP_K,
                   E: tl.constexpr, BLOCK_E: tl.constexpr, TILE: tl.constexpr, TILES,
-                  BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, USE_GDC: tl.constexpr):
-    pdl_acquire(USE_GDC, False)
+                  BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, USE_GDC: tl.constexpr,
+                  EARLY_NEXT: tl.constexpr):
+    pdl_acquire(USE_GDC, EARLY_NEXT)
     experts = tl.arange(0, BLOCK_E)
     chunks = tl.cdiv(S, BLOCK_S)
     # pass 1: slots per expert
@@ -114,17 +127,18 @@ def _route_kernel(ids_ptr, tile_expert_ptr, row_token_ptr, slot_row_ptr, S, TOP_
     for b in range(0, chunks):
         cursor += _place_chunk(ids_ptr, b, cursor, row_token_ptr, slot_row_ptr, S, TOP_K,
                                BLOCK_E, BLOCK_S)
-    pdl_release(USE_GDC, False)
+    pdl_release(USE_GDC, EARLY_NEXT)
     _store_tile_experts(ends, experts, tile_expert_ptr, E, TILE, 0, TILES, BLOCK_T)
 
 
 @triton.jit
 def _route_count_kernel(ids_ptr, counts_ptr, row_token_ptr, S, ROWS, FILL,
-                        BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, USE_GDC: tl.constexpr):
+                        BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, USE_GDC: tl.constexpr,
+                        EARLY_NEXT: tl.constexpr):
     b = tl.program_id(0)
-    pdl_acquire(USE_GDC, False)
+    pdl_acquire(USE_GDC, EARLY_NEXT)
     _, _, hit = _chunk_hits(ids_ptr, b, S, BLOCK_E, BLOCK_S)
-    pdl_release(USE_GDC, False)
+    pdl_release(USE_GDC, EARLY_NEXT)
     tl.store(counts_ptr + b * BLOCK_E + tl.arange(0, BLOCK_E), tl.sum(hit, axis=0))
     # every sorted row starts as padding (this chunk's share of them; placed in a later launch)
     _fill_padding(row_token_ptr, b * FILL, (b + 1) * FILL, ROWS, BLOCK_S)
@@ -132,11 +146,12 @@ def _route_count_kernel(ids_ptr, counts_ptr, row_token_ptr, S, ROWS, FILL,
 
 @triton.jit
 def _route_scan_kernel(counts_ptr, first_ptr, totals_ptr, CHUNKS, BLOCK_E: tl.constexpr,
-                       BLOCK_EC: tl.constexpr, BLOCK_B: tl.constexpr, USE_GDC: tl.constexpr):
+                       BLOCK_EC: tl.constexpr, BLOCK_B: tl.constexpr, USE_GDC: tl.constexpr,
+                       EARLY_NEXT: tl.constexpr):
     """BLOCK_EC experts a program: each chunk's count of earlier chunks' slots of the expert
     (first) and the expert's slots (totals). Experts are independent, so the scan runs in
     parallel over them (one program over all of them was the routing's longest launch)."""
-    pdl_acquire(USE_GDC, False)
+    _enter(USE_GDC, EARLY_NEXT)
     experts = tl.program_id(0) * BLOCK_EC + tl.arange(0, BLOCK_EC)
     total = tl.zeros([BLOCK_EC], dtype=tl.int32)
     for b0 in range(0, CHUNKS, BLOCK_B):
@@ -146,7 +161,7 @@ def _route_scan_kernel(counts_ptr, first_ptr, totals_ptr, CHUNKS, BLOCK_E: tl.co
         tl.store(first_ptr + at, tl.cumsum(c, axis=0) - c + total[None, :],
                  mask=b[:, None] < CHUNKS)
         total += tl.sum(c, axis=0)
-    pdl_release(USE_GDC, False)
+    pdl_release(USE_GDC, EARLY_NEXT)
     tl.store(totals_ptr + experts, total)
 
 
@@ -154,16 +169,17 @@ def _route_scan_kernel(counts_ptr, first_ptr, totals_ptr, CHUNKS, BLOCK_E: tl.co
 def _route_place_kernel(ids_ptr, first_ptr, totals_ptr, tile_expert_ptr, row_token_ptr,
                         slot_row_ptr, S, TOP_K, E: tl.constexpr, BLOCK_E: tl.constexpr,
                         TILE: tl.constexpr, TILES, TILES_PER,
-                        BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, USE_GDC: tl.constexpr):
+                        BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, USE_GDC: tl.constexpr,
+                        EARLY_NEXT: tl.constexpr):
     """Chunk b placed: the experts' first rows from their totals (every program sums the
     few totals itself: no further launch), plus earlier chunks' slots; and the chunk's
     share of tile_expert."""
     b = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
-    pdl_acquire(USE_GDC, False)
+    _enter(USE_GDC, EARLY_NEXT)
     total = tl.load(totals_ptr + experts)
     first = tl.load(first_ptr + b * BLOCK_E + experts)
-    pdl_release(USE_GDC, False)
+    pdl_release(USE_GDC, EARLY_NEXT)
     padded = (total + TILE - 1) // TILE * TILE
     ends = tl.cumsum(padded, axis=0)
     _place_chunk(ids_ptr, b, first + ends - padded, row_token_ptr, slot_row_ptr, S, TOP_K,
@@ -172,7 +188,8 @@ def _route_place_kernel(ids_ptr, first_ptr, totals_ptr, tile_expert_ptr, row_tok
                         tl.minimum((b + 1) * TILES_PER, TILES), BLOCK_T)
 
 
-def route_parallel(topk_ids: torch.Tensor, num_experts: int, token_tile: int) -> Routing:
+def route_parallel(topk_ids: torch.Tensor, num_experts: int, token_tile: int,
+                   early_next: bool = False) -> Routing:
     """moe_routing.route in three launches (count, scan, place), for many slots."""
     r, slots, block_e, block_s, warps = _routing(topk_ids, num_experts, token_tile)
     pdl = pdl_available(topk_ids.device)
@@ -183,27 +200,29 @@ def route_parallel(topk_ids: torch.Tensor, num_experts: int, token_tile: int) ->
     totals = torch.empty(block_e, dtype=torch.int32, device=dev)
     _route_count_kernel[(chunks,)](topk_ids, counts, r.row_token, slots, r.rows,
                                    cdiv(cdiv(r.rows, chunks), block_s) * block_s, block_e,
-                                   block_s, pdl, num_warps=warps, launch_pdl=pdl)
+                                   block_s, pdl, early_next, num_warps=warps, launch_pdl=pdl)
     block_ec = min(block_e, SCAN_EXPERTS)
     block_b = max(1, min(triton.next_power_of_2(chunks), ROUTE_TILE_ELEMENTS // block_ec))
     _route_scan_kernel[(block_e // block_ec,)](counts, first, totals, chunks, block_e, block_ec,
-                                                block_b, pdl, num_warps=4, launch_pdl=pdl)
+                                                block_b, pdl, early_next, num_warps=4,
+                                                launch_pdl=pdl)
     tiles = r.tile_expert.shape[0]
     _route_place_kernel[(chunks,)](topk_ids, first, totals, r.tile_expert, r.row_token,
                                    r.slot_row, slots, topk_ids.shape[1], num_experts, block_e,
                                    token_tile, tiles, cdiv(tiles, chunks), block_s, 32, pdl,
-                                   num_warps=warps, launch_pdl=pdl)
+                                   early_next, num_warps=warps, launch_pdl=pdl)
     return r
 
 
-def route(topk_ids: torch.Tensor, num_experts: int, token_tile: int) -> Routing:
+def route(topk_ids: torch.Tensor, num_experts: int, token_tile: int,
+          early_next: bool = False) -> Routing:
     """moe_routing.route in one launch (topk_ids contiguous int32/int64 [M, k])."""
     r, slots, block_e, block_s, warps = _routing(topk_ids, num_experts, token_tile)
     pdl = pdl_available(topk_ids.device)
     _route_kernel[(1,)](topk_ids, r.tile_expert, r.row_token, r.slot_row, slots,
                         topk_ids.shape[1], num_experts, block_e, token_tile,
-                        r.tile_expert.shape[0], block_s, 32, pdl, num_warps=warps,
-                        launch_pdl=pdl)
+                        r.tile_expert.shape[0], block_s, 32, pdl, early_next,
+                        num_warps=warps, launch_pdl=pdl)
     return r
 
 
@@ -215,7 +234,7 @@ def _routing(topk_ids: torch.Tensor, num_experts: int, token_tile: int):
     dev = topk_ids.device
     r = Routing(token_tile, torch.empty(tiles, dtype=torch.int32, device=dev),
                 torch.empty(tiles * token_tile, dtype=torch.int64, device=dev),
-                torch.empty(m, k, dtype=torch.int64, device=dev))
+                torch.empty(m, k, dtype=torch.int64, device=dev), topk_ids)
     block_e = triton.next_power_of_2(num_experts)
     block_s = max(16, min(128, ROUTE_TILE_ELEMENTS // block_e))
     return r, m * k, block_e, block_s, 8 if block_e >= 256 else 4
@@ -225,7 +244,8 @@ def _routing(topk_ids: torch.Tensor, num_experts: int, token_tile: int):
 def _gather_quant_kernel(x_ptr, slot_row_ptr, q_ptr, s_ptr, s_ld, M,
                          K: tl.constexpr, TOP_K: tl.constexpr, CG: tl.constexpr,
                          GR: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
-                         ROUND_FIRST: tl.constexpr, USE_GDC: tl.constexpr):
+                         ROUND_FIRST: tl.constexpr, USE_GDC: tl.constexpr,
+                         EARLY_NEXT: tl.constexpr):
     # GR (token, group) pairs a program: GR // CG tokens of CG groups, flattened to [GR, 128];
     # each pair quantized once and stored to its token's TOP_K sorted rows
     j = tl.arange(0, GR)
@@ -234,9 +254,9 @@ def _gather_quant_kernel(x_ptr, slot_row_ptr, q_ptr, s_ptr, s_ld, M,
     live = (t < M) & (g * 128 < K)
     cols = g[:, None] * 128 + tl.arange(0, 128)[None, :]
     mask = live[:, None] & (cols < K)
-    pdl_acquire(USE_GDC, False)
+    _enter(USE_GDC, EARLY_NEXT)
     x = tl.load(x_ptr + t[:, None] * K + cols, mask=mask, other=0.0).to(tl.float32)
-    pdl_release(USE_GDC, False)
+    pdl_release(USE_GDC, EARLY_NEXT)
     q, s = quant_group(x, FP8_MAX_C, EPS, ROUND_FIRST)
     for k in tl.static_range(TOP_K):
         row = tl.load(slot_row_ptr + t * TOP_K + k, mask=live, other=-1)
@@ -244,7 +264,8 @@ def _gather_quant_kernel(x_ptr, slot_row_ptr, q_ptr, s_ptr, s_ld, M,
         tl.store(s_ptr + g.to(tl.int64) * s_ld + row, s, mask=live & (row >= 0))
 
 
-def gather_quant(x: torch.Tensor, r: Routing, groups: int | None = None):
+def gather_quant(x: torch.Tensor, r: Routing, groups: int | None = None,
+                 early_next: bool = False):
     """(fp8 [R, K], scale [R, Kb] as a view of the token-minor [Kb, ld]) of the sorted rows:
     each token quantized once and stored to its top-k rows. Rows that hold no token (padding,
     unused tiles) are not written: the grouped GEMMs compute every row on its own, and the
@@ -257,7 +278,8 @@ def gather_quant(x: torch.Tensor, r: Routing, groups: int | None = None):
     pdl = pdl_available(x.device)
     _gather_quant_kernel[(cdiv(m, gr // cg), cdiv(kb, cg))](
         x, r.slot_row, q, scale_t, scale_t.shape[1], m, k, r.slot_row.shape[1], cg, gr,
-        FP8_MAX, AMAX_EPS, needs_round_first(x.device), pdl, num_warps=4, launch_pdl=pdl)
+        FP8_MAX, AMAX_EPS, needs_round_first(x.device), pdl, early_next, num_warps=4,
+        launch_pdl=pdl)
     return q, scale
 
 

@@ -240,7 +240,7 @@ def _check_slots(calls, x, ids, wts, out):
                             s13, gate_up)
     _assert_rows_match_fp64(R.dequant(hq.cpu(), h_scale_t[:, :len(tokens)].t().cpu()),
                             experts_of, w2, s2, y)
-    in_order = Routing(8, ids.cpu(), tokens, torch.arange(ids.numel()).view(ids.shape))
+    in_order = Routing(8, ids.cpu(), tokens, torch.arange(ids.numel()).view(ids.shape), ids.cpu())
     want = combine(y.cpu(), in_order, wts.cpu(), torch.empty(out.shape, dtype=out.dtype)).float()
     # (the same fp32 sum in the same order, one rounding; fused multiply-adds may move the
     # fp32 sum by an ulp, and so its rounding by one step)
@@ -356,6 +356,29 @@ def test_decode_window_leaves_the_output_bitwise(kernel, window):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m,e,top_k,h,inter,routing,ids_dtype,away", [
+    (40, 16, 4, 1024, 512, "random", torch.int64, 0.0),   # one routing program
+    (24, 32, 2, 256, 384, "few", torch.int32, 0.0),       # most experts get no token
+    (40, 8, 2, 384, 256, "one_expert", torch.int32, 0.0),
+    (200, 16, 8, 256, 128, "random", torch.int32, 0.0),   # 1600 slots: parallel routing
+    (9, 300, 4, 256, 128, "random", torch.int64, 0.0),    # 10 experts a lane of the scan
+    (40, 16, 4, 512, 256, "random", torch.int32, 0.5),    # slots held elsewhere (id -1)
+])
+@pytest.mark.parametrize("token_tile", [8, 32])
+def test_tile_route_leaves_the_output_bitwise(m, e, top_k, h, inter, routing, ids_dtype, away,
+                                              token_tile):
+    # gate_up's CTAs find their tiles' experts from the ids as the routing places them
+    # (moe-tile-route), every tile's expert the routing's: the same rows, products and sums
+    gen = torch.Generator().manual_seed(m + e)
+    x, w13, s13, w2, s2, wts, ids = layer(gen, m, e, top_k, h, inter, routing)
+    ids = ids.masked_fill(torch.rand(ids.shape, generator=gen) < away, -1).to(ids_dtype)
+    args = [t.cuda() for t in (x, w13, s13, w2, s2, wts, ids)]
+    plan = dict(prefill=False, slot_tiles=False, token_tile=token_tile)
+    got = _bitwise_alike(args, dict(plan, tile_route=False), dict(plan, tile_route=True))
+    assert R.rel_err(got, moe_reference(*args)) <= 1e-2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", MOE_PREFILL_CONFIGS[1:])
 @pytest.mark.parametrize("routing", ["random", "edges"])
 def test_prefill_tiles_leave_the_output_bitwise(config, routing):
@@ -426,6 +449,16 @@ def test_forced_pieces_are_checked_and_restored():
     with sm90_moe.forced(window=3):
         plan = sm90_moe._apply_forced(moe_plan(2, 8, 128, 2048, 768, 132), 2048, 768)
         assert (plan.gate_up.window, plan.down.window) == (3, 3)
+    with sm90_moe.forced(tile_route=False):
+        plan = sm90_moe._apply_forced(moe_plan(16, 8, 128, 2048, 768, 132), 2048, 768)
+        assert not plan.tile_route and not plan.slot_tiles
+    for pieces, kernel in ((dict(prefill=True), "prefill kernel"),
+                           (dict(slot_tiles=True), "slot tiles")):
+        with pytest.raises(ValueError, match=r"^tile_route=True runs the decode kernel's sorted "
+                                             rf"tiles, got the {kernel}$"):
+            with sm90_moe.forced(tile_route=True, **pieces):
+                plan = moe_plan(16, 8, 128, 2048, 768, 132, sm90_moe._forced.get("slot_tiles"))
+                sm90_moe._apply_forced(plan, 2048, 768)
     with sm90_moe.forced(prefill=True):
         plan = sm90_moe._apply_forced(moe_plan(2, 8, 128, 2048, 768, 132), 2048, 768)
         assert (plan.prefill, plan.token_tile) == (True, 128)
@@ -462,6 +495,16 @@ def test_forced_pieces_are_checked_and_restored():
         with sm90_moe.forced(fused_act=True):
             sm90_moe._apply_forced(moe_plan(2, 8, 128, 2048, 768, 132), 2048, 768)
     assert sm90_moe._forced == {}
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("m", [1, 2, 4, 16, 64, 256, 1024])
+def test_sorted_decode_tiles_route_their_own_experts(model, m):
+    # moe-tile-route: the decode kernel's sorted tiles, not the slot tiles (no routing) nor
+    # the prefill kernel
+    plan = moe_plan(m, *MODELS[model], 132)
+    assert plan.tile_route == (not plan.prefill and not plan.slot_tiles)
+    assert ("moe-tile-route" in plan.rule) == plan.tile_route
 
 
 @pytest.mark.parametrize("model, m, prefill", [
@@ -521,7 +564,8 @@ def test_parallel_routing_from_256_slots(m, k, parallel):
     from fp8linear.backends.sm90 import moe as sm90_moe
     from fp8linear.backends.triton import moe as triton_moe
     want = triton_moe.route_parallel if parallel else triton_moe.route
-    assert sm90_moe.stages(plan).route is want
+    route = sm90_moe.stages(plan).route  # (moe-tile-route: with the early launches)
+    assert route.func is want and route.keywords == {"early_next": plan.tile_route}
 
 
 @pytest.mark.gpu
