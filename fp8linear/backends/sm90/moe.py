@@ -179,11 +179,7 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
     # weigh less than its epilogue)
     fused_act = prefill and fused_act_takes(hidden, tile)
     rule += "+moe-prefill-fused-act" if fused_act else ""
-    # moe-tile-route: the decode kernel's gate_up CTAs count the ids' slots an expert
-    # themselves and find their tile's expert, not reading tile_expert: the routing no longer
-    # gates gate_up's weight stream (the routing and the gather let gate_up launch at their
-    # start), which the layer waited for (5-9 us a layer with the routing's launches)
-    tile_route = not prefill and not slot_tiles
+    tile_route = tile_route_takes(prefill, slot_tiles)
     rule += "+moe-tile-route" if tile_route else ""
     return MoePlan(config, gemm(2 * inter, hidden), gemm(hidden, inter), True, prefill,
                    parallel, slot_tiles, fused_act, tile_route,
@@ -201,6 +197,14 @@ def decode_window(ctas: int, slot_tiles: bool) -> int:
     stream is the layer: 1-2% faster); slot tiles keep the kernel's 2 (4: M = 1 slower).
     -1: the kernel's rule."""
     return SORTED_WINDOW if ctas == 2 and not slot_tiles else -1
+
+
+def tile_route_takes(prefill: bool, slot_tiles: bool) -> bool:
+    """moe-tile-route: the decode kernel's sorted tiles (the layer with a routing, not the
+    prefill kernel's): gate_up's first-wave CTAs count the ids' slots an expert and find their
+    tile's expert themselves, so the routing's completion no longer gates gate_up's weight
+    stream (the layer waited 5-9 us for the routing at few tokens an expert; this takes ~2)."""
+    return not prefill and not slot_tiles
 
 
 def prefill_takes(hidden: int, inter: int) -> bool:
@@ -277,7 +281,7 @@ def _apply_forced(plan: MoePlan, hidden: int, inter: int) -> MoePlan:
     if fused_act and GEMM_TILES[tile].bn != PREFILL_TILE_N:
         raise ValueError(f"the SiLU-and-mul epilogue runs {PREFILL_TILE_N}-column tiles, got "
                          f"prefill_config={tile} ({GEMM_TILES[tile].bn} columns)")
-    tile_route = not prefill and not plan.slot_tiles
+    tile_route = tile_route_takes(prefill, plan.slot_tiles)
     if _forced.get("tile_route") and not tile_route:
         raise ValueError("tile_route=True runs the decode kernel's sorted tiles, got the "
                          + ("prefill kernel" if prefill else "slot tiles"))
