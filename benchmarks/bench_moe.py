@@ -177,7 +177,8 @@ def forced_pieces(pieces: str) -> dict:
     by "+": t<tile>, nopdl, prefill / decode, slots / sorted, g<band>, c<config> (the prefill
     kernel's tile), s<splits> (the decode kernel's K splits), w<window> (the decode kernel's
     weight stages in flight, 0: its whole ring), unfused (the prefill kernel's gate_up
-    without its SiLU-and-mul epilogue), tileroute / notileroute (moe-tile-route)."""
+    without its SiLU-and-mul epilogue), tileroute / notileroute (moe-tile-route), tokenrows /
+    notokenrows (moe-token-rows)."""
     over = {}
     for piece in pieces.split("+"):
         if piece == "nopdl":
@@ -190,6 +191,8 @@ def forced_pieces(pieces: str) -> dict:
             over["slot_tiles"] = piece == "slots"
         elif piece in ("tileroute", "notileroute"):
             over["tile_route"] = piece == "tileroute"
+        elif piece in ("tokenrows", "notokenrows"):
+            over["token_rows"] = piece == "tokenrows"
         elif piece[:1] in ("t", "g", "c", "s", "w") and piece[1:].isdigit():
             over[{"t": "token_tile", "g": "group_m", "c": "prefill_config",
                   "s": "splits", "w": "window"}[piece[0]]] = int(piece[1:])

@@ -301,6 +301,8 @@ FP8L_API const char* fp8l_decode(const DecodeCall* c) {
   d.window = c->window;
   d.route_ids = c->route_ids;
   d.route_slots = c->route_slots;
+  d.row_token = static_cast<const long long*>(c->row_token);
+  d.route_top_k = c->route_top_k;
   if (d.tile_expert != nullptr) return result(fp8l::launch_moe_decode(d, s), "grouped decode");
   return result(fp8l::launch_decode(d, s), "decode");
 }

@@ -111,6 +111,11 @@ struct DecodeArgs {
   // wave's CTAs find their tile's expert (moe-tile-route); later ones read tile_expert
   const void* route_ids;
   int route_slots;
+  // Grouped sorted tiles of 16-bit x (with route_slots): x the tokens [M', K], row_token [M]
+  // each sorted row's token (int64, -1: padding), read and quantized in the kernel (no
+  // gather); route_top_k the slots a token of route_ids
+  const long long* row_token;
+  int route_top_k;
 };
 std::string launch_decode(const DecodeArgs& args, cudaStream_t stream);
 // The grouped expert GEMM (sm90/moe.cu): fp8 x, 128-row CTAs, bf16/fp16 outputs.

@@ -32,7 +32,7 @@ namespace fp8l {
 constexpr int kDecodeMaxRows = 128;  // weight rows per CTA: 128, or 64
 
 struct DecodeLayout {
-  int stage, x, xs, ws, bar, flag, total;
+  int stage, x, xs, ws, bar, flag, tok, total;
 };
 // Shared-memory layout (bytes from a 1024-aligned base); host and device agree on it.
 // Each ring stage carries its K block's weight tile and (fp8 input) its activation tile,
@@ -40,7 +40,8 @@ struct DecodeLayout {
 // [BT x 128] fp8 tile per K block of the CTA's range.
 __host__ __device__ inline DecodeLayout decode_layout(int rows, int bt, int kbs, int stages,
                                                       bool per_row, bool fused,
-                                                      bool row_step = false, bool relay = false) {
+                                                      bool row_step = false, bool relay = false,
+                                                      bool row_tokens = false) {
   DecodeLayout l;
   l.stage = rows * kBlockK + (fused ? 0 : bt * kBlockK);  // multiples of 1024 (bt >= 8)
   l.x = stages * l.stage;
@@ -50,7 +51,8 @@ __host__ __device__ inline DecodeLayout decode_layout(int rows, int bt, int kbs,
   l.bar = l.ws + kbs * (per_row ? rows : row_step ? 2 : 1) * 4;
   l.bar = (l.bar + 7) & ~7;
   l.flag = l.bar + (relay ? 3 : 2) * stages * 8;  // full, empty (and relay: landed)[stages]
-  l.total = l.flag + 16;
+  l.tok = l.flag + 16;  // row_tokens: the token of each of the tile's rows [BT]
+  l.total = l.tok + (row_tokens ? bt * 4 : 0);
   return l;
 }
 
@@ -60,7 +62,10 @@ struct DecodeParams {
   const void* x;
   int x_dtype;           // kInBF16 / kInFP16, or kInFP8 (already quantized; scales in x_scale)
   int top_k;             // kSlots (below)
-  const float* x_scale;  // scale of (m, kb) at x_scale[m * xs_stride_m + kb * xs_stride_kb]
+  union {
+    const float* x_scale;  // scale of (m, kb) at x_scale[m * xs_stride_m + kb * xs_stride_kb]
+    const long long* row_token;  // kGrouped sorted, 16-bit x: each sorted row's token (below)
+  };
   int xs_stride_m, xs_stride_kb;
   const float* w_scale;
   union {
@@ -94,6 +99,10 @@ struct DecodeParams {
   // (int64 where ids_int64), written before the previous kernel, and the first wave's CTAs
   // find their tile's expert from them (tile_expert_from_ids), so that their weights stream
   // before the routing kernel is done; later CTAs, starting after it, read tile_expert.
+  // Sorted tiles, 16-bit x (the tokens [M', K], not sorted rows): row r of the sorted rows is
+  // token row_token[r] (-1: padding), read and quantized in the kernel (no gather); with
+  // route_slots, top_k the slots a token and the first wave finds its rows' tokens from the ids
+  // too, reading x before griddepcontrol.wait (written before the routing's first kernel).
   const int* tile_expert;
 };
 static_assert(sizeof(DecodeParams) == 128, "see above");
@@ -101,19 +110,24 @@ static_assert(sizeof(DecodeParams) == 128, "see above");
 // Sorted tile y's expert from the (token, slot) ids, as fp8linear/moe_routing.py's route places
 // them: the first expert whose rows, each expert's padded to whole BT-token tiles, end after the
 // tile's first row (-1: past them all; ids outside 0..experts-1 take no row). `counts`: shared
-// scratch of experts + 1 ints, free again on return.
+// scratch of experts + 3 ints, free again on return. tokens (not null): the token of each of
+// the tile's rows, its expert's slots in slot order (-1: padding), and the tile's live rows.
 template <int BT>
-__device__ __forceinline__ int tile_expert_from_ids(const DecodeParams& p, int* counts) {
+__device__ __forceinline__ int tile_expert_from_ids(const DecodeParams& p, int* counts,
+                                                    int* tokens = nullptr, int* live = nullptr) {
   const int experts = p.experts;
+  auto id_at = [&](int s) -> long long {
+    return p.ids_int64 ? __ldg(static_cast<const long long*>(p.route_ids) + s)
+                       : __ldg(static_cast<const int*>(p.route_ids) + s);
+  };
   for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[e] = 0;
   __syncthreads();
   for (int s = threadIdx.x; s < p.route_slots; s += blockDim.x) {
-    const long long id = p.ids_int64
-                             ? __ldg(static_cast<const long long*>(p.route_ids) + s)
-                             : __ldg(static_cast<const int*>(p.route_ids) + s);
+    const long long id = id_at(s);
     if (id >= 0 && id < experts) atomicAdd(&counts[id], 1);
   }
   __syncthreads();
+  const int row = blockIdx.y * BT;
   if (threadIdx.x < 32) {  // lane l: experts [l * per, (l + 1) * per), a scan over the lanes
     const int lane = threadIdx.x, per = (experts + 31) / 32;
     const int lo = min(lane * per, experts), hi = min(lo + per, experts);
@@ -125,20 +139,49 @@ __device__ __forceinline__ int tile_expert_from_ids(const DecodeParams& p, int* 
       const int v = __shfl_up_sync(0xffffffffu, end, d);
       if (lane >= d) end += v;
     }
-    const int row = blockIdx.y * BT;
-    int found = -1;
+    int found = -1, first = 0;
     if (row >= end - rows && row < end) {  // (one lane at most: the ranges are disjoint)
       int at = end - rows;
       for (int e = lo; e < hi && found < 0; ++e) {
+        first = at;
         at += (counts[e] + BT - 1) / BT * BT;
         if (at > row) found = e;
       }
     }
     const unsigned any = __ballot_sync(0xffffffffu, found >= 0);
-    if (found >= 0 || (lane == 0 && any == 0)) counts[experts] = found;
+    if (found >= 0 || (lane == 0 && any == 0)) {
+      counts[experts] = found;
+      counts[experts + 1] = row - first;                     // the tile's first rank
+      counts[experts + 2] = found >= 0 ? counts[found] : 0;  // its expert's slots
+    }
   }
   __syncthreads();
   const int e = counts[experts];
+  if (tokens != nullptr) {
+    const int r0 = counts[experts + 1], n = counts[experts + 2];
+    __syncthreads();  // (counts is reused below)
+    if (threadIdx.x < BT) tokens[threadIdx.x] = -1;
+    // the expert's slots ranked in slot order, blockDim at a time: a warp's by ballot, the
+    // warps' before it by their counts
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    int base = 0;
+    for (int s0 = 0; s0 < p.route_slots && base < r0 + BT; s0 += blockDim.x) {
+      const int s = s0 + threadIdx.x;
+      const bool mine = e >= 0 && s < p.route_slots && id_at(s) == e;
+      const unsigned b = __ballot_sync(0xffffffffu, mine);
+      if (lane == 0) counts[warp] = __popc(b);
+      __syncthreads();
+      int rank = base + __popc(b & ((1u << lane) - 1)), total = base;
+      for (int w = 0; w < warps; ++w) {
+        rank += w < warp ? counts[w] : 0;
+        total += counts[w];
+      }
+      if (mine && rank >= r0 && rank < r0 + BT) tokens[rank - r0] = s / p.top_k;
+      __syncthreads();
+      base = total;
+    }
+    *live = e < 0 ? 0 : min(BT, n - r0);
+  }
   __syncthreads();  // (the scratch is the weight ring's)
   return e;
 }
@@ -179,6 +222,14 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
   // aligned as an offset into smem_raw, so that the pointers stay shared ones (LDS; see
   // gemm_kernel.cuh)
   uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  const bool fused = p.x_dtype != kInFP8;
+  // (sorted tiles of 16-bit tokens: the rows' tokens from row_token or the ids, DecodeParams)
+  const bool row_tokens = kGrouped && !kSlots && fused;
+  const DecodeLayout L = decode_layout(kRows, BT, (p.num_kb + p.splits - 1) / p.splits,
+                                       p.stages, kPerRow, fused, kRowStep, kRelay, row_tokens);
+  int* tokens = reinterpret_cast<int*>(smem + L.tok);
+  int live_rows = 0;           // row_tokens: the tile's rows that hold a token
+  bool x_ready = false;        // x written before the routing (no wait before reading it)
   int wrow0 = 0;
   const float* w_scale = p.w_scale;
   if constexpr (kGrouped) {
@@ -190,11 +241,19 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
                                : __ldg(p.tile_expert + blockIdx.y);
       e = id >= 0 && id < p.experts ? int(id) : -1;
     } else if (p.route_slots > 0 && first_wave_cta<kCtasPerSM>()) {
-      e = tile_expert_from_ids<BT>(p, reinterpret_cast<int*>(smem));
+      e = tile_expert_from_ids<BT>(p, reinterpret_cast<int*>(smem),
+                                   row_tokens ? tokens : nullptr, &live_rows);
+      x_ready = row_tokens;
     } else {
       // (route_slots: a later CTA starts as an earlier one ends, the routing done by then)
       if (p.route_slots > 0) pdl_wait();
       e = __ldg(p.tile_expert + blockIdx.y);
+      if (row_tokens) {  // (padding rows last: the live ones are those before the first -1)
+        const int tok = threadIdx.x < BT ? int(__ldg(p.row_token + blockIdx.y * BT + threadIdx.x))
+                                         : -1;
+        if (threadIdx.x < BT) tokens[threadIdx.x] = tok;
+        live_rows = __syncthreads_count(tok >= 0);
+      }
     }
     if (e < 0) return;
     wrow0 = e * p.N;
@@ -206,13 +265,10 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
   const int split = blockIdx.z;
   const int kb0 = split * base + min(split, rem);
   const int kbs = base + (split < rem ? 1 : 0);
-  const bool fused = p.x_dtype != kInFP8;
   // 64 rows: warpgroup w takes the K blocks i = w mod 2 of the range (its own wgmma chain)
   constexpr bool kSplitWG = kRows == 64;
   static_assert(kRows == 128 || (kRows == 64 && BT <= 64), "64-row CTAs: token tiles <= 64");
   constexpr int kWTile = kRows * kBlockK;  // bytes of one weight stage
-  const DecodeLayout L = decode_layout(kRows, BT, (p.num_kb + p.splits - 1) / p.splits,
-                                       p.stages, kPerRow, fused, kRowStep, kRelay);
   uint8_t* sW = smem;            // stage s at sW + s * L.stage: weights, then (fp8) activations
   uint8_t* sX = smem + L.x;      // fused: resident quantized tiles, K block i at i * BT * 128
   float* sXS = reinterpret_cast<float*>(smem + L.xs);
@@ -342,12 +398,12 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
         sWS[i] = __ldg(w_scale + size_t(n0 / kDecodeMaxRows) * p.num_kb + kb0 + i);
     }
   }
-  pdl_wait();                   // activations come from the previous kernel
+  if (!x_ready) pdl_wait();     // activations come from the previous kernel
   if (fused) {
     // The CTA's activation slice, quantized once into resident tiles while the producer fills
     // the weight ring: (token, K block) groups of 128 channels spread over the 8 warps.
     // Padding tokens' rows and scales are zero.
-    const int live = kSlots ? 1 : min(BT, p.M - m0);
+    const int live = kSlots ? 1 : row_tokens ? live_rows : min(BT, p.M - m0);
     for (int e = tid; e < (BT - live) * kbs * 8; e += 256) {  // 16-byte chunks of padding rows
       const int row = e / 8, t = live + row % (BT - live), i = row / (BT - live);
       uint8_t* chunk = sX + (i * BT + t) * kBlockK + (e % 8) * 16;
@@ -384,7 +440,8 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
             }
           }
         } else if (g < groups && k < p.K) {
-          bits[u] = *reinterpret_cast<const uint4*>(xr + size_t(m0 + t) * p.K + k);
+          const size_t row = row_tokens ? size_t(tokens[t]) : size_t(m0 + t);
+          bits[u] = *reinterpret_cast<const uint4*>(xr + row * p.K + k);
         }
       }
       // The quant kernel's numerics (quant.cuh: amax over the group, scale = amax / 448, x /
@@ -519,6 +576,8 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
     }
   }
 
+  // (x_ready: our completion tells the kernels after us that the routing is done too)
+  if (x_ready) pdl_wait();
   // 3. epilogue
   OutT* out = static_cast<OutT*>(p.out);
   const OutT* bias = kGrouped ? nullptr : static_cast<const OutT*>(p.bias);

@@ -20,11 +20,13 @@ constexpr int smem_limit(int ctas_per_sm) {
 constexpr int kMaxWeightBytesInFlight = 8 * kDecodeMaxRows * kBlockK;
 
 inline int pick_stages(int rows, int bt, int kbs, bool per_row, bool fused, bool row_step, bool relay,
-                int limit) {
-  const DecodeLayout none = decode_layout(rows, bt, kbs, 0, per_row, fused, row_step, relay);
+                int limit, bool row_tokens = false) {
+  const DecodeLayout none =
+      decode_layout(rows, bt, kbs, 0, per_row, fused, row_step, relay, row_tokens);
   // bytes one more stage costs: its ring slot and its barriers (two, or three with a relay)
   const int per_stage =
-      decode_layout(rows, bt, kbs, 1, per_row, fused, row_step, relay).total - none.total + 16;
+      decode_layout(rows, bt, kbs, 1, per_row, fused, row_step, relay, row_tokens).total -
+      none.total + 16;
   const int max_stages = kMaxWeightBytesInFlight / (rows * kBlockK);
   int stages = (limit - none.total - 1024) / per_stage;
   stages = stages < max_stages ? stages : max_stages;
@@ -77,9 +79,11 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
   const int num_kb = (d.K + kBlockK - 1) / kBlockK;
   const int kbs = (num_kb + d.splits - 1) / d.splits;
   const bool fused = d.x_dtype != kInFP8;
-  const int stages = pick_stages(kRows, BT, kbs, kPerRow, fused, kRowStep, kRelay, kSmemLimit);
+  const bool row_tokens = kGrouped && !kSlots && fused;  // (decode_kernel.cuh DecodeParams)
+  const int stages =
+      pick_stages(kRows, BT, kbs, kPerRow, fused, kRowStep, kRelay, kSmemLimit, row_tokens);
   const DecodeLayout layout =
-      decode_layout(kRows, BT, kbs, stages, kPerRow, fused, kRowStep, kRelay);
+      decode_layout(kRows, BT, kbs, stages, kPerRow, fused, kRowStep, kRelay, row_tokens);
   if (stages < 1 || (kRows == 64 && kbs > 1 && stages < 2) || layout.total + 1024 > kSmemLimit)
     return "decode config does not fit in shared memory (token tile " + std::to_string(BT) +
            ", " + std::to_string(kbs) + " K blocks per split): use more splits";
@@ -108,7 +112,7 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
   // (kSlots: a tile a (token, slot) pair)
   const dim3 grid((d.N + row_step - 1) / row_step, kSlots ? d.M : (d.M + BT - 1) / BT, d.splits);
   // (first_stages leaves out the row-step CTAs, 128 rows, and the relaying ones, split K)
-  DecodeParams p{d.x,         d.x_dtype,  d.top_k,   d.x_scale,     d.xs_stride_m,
+  DecodeParams p{d.x,         d.x_dtype,  kSlots ? d.top_k : d.route_top_k, {d.x_scale}, d.xs_stride_m,
                  d.xs_stride_kb, d.w_scale, {kGrouped ? d.route_ids : d.bias}, d.bias_f32,    d.ids_int64 != 0,
                  d.ids_ready != 0, d.silu_in != 0, d.experts, d.out, d.workspace, d.counters,
                  d.M,         d.N,        d.K,       num_kb,        d.splits,
@@ -117,6 +121,7 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
                  kRelay ? relay_stages(stages) : window_stages(kRows, kCtasPerSM, stages, d.window),
                  first_stages(kRows, d.splits, kbs, grid.x * grid.y, kCtasPerSM * d.num_sms),
                  d.tile_expert};
+  if (row_tokens) p.row_token = d.row_token;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(384);

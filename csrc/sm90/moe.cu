@@ -60,7 +60,11 @@ std::string launch_moe_decode(const DecodeArgs& d, cudaStream_t stream) {
   if (d.rows != 128) return "grouped GEMMs run 128-row CTAs";
   if (d.out_dtype != kOutBF16 && d.out_dtype != kOutFP16) return "outputs are bf16 or fp16";
   if (d.top_k > 0) return launch_slots(d, stream);
-  if (d.x_dtype != kInFP8) return "grouped GEMMs take fp8 activations (sorted by expert)";
+  if (d.x_dtype != kInFP8 &&
+      !((d.x_dtype == kInBF16 || d.x_dtype == kInFP16) && d.row_token != nullptr &&
+        d.route_slots > 0 && d.route_top_k > 0))
+    return "grouped GEMMs take fp8 activations (sorted by expert), or bf16/fp16 tokens with "
+           "row_token, route_ids and route_top_k";
   if (d.bias != nullptr) return "grouped GEMMs take no bias";
   // (route_slots: the CTA counts the experts' slots in its weight ring, >= 16 KB)
   if (d.route_slots < 0 || (d.route_slots > 0 && (d.route_ids == nullptr || d.experts > 4095)))

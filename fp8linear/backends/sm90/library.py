@@ -42,11 +42,13 @@ _GEMM = _layout("gemm", ("a", "a_scale_t", "w", "w_scale", "bias", "out", "strea
                          "out_dtype", "m", "n", "k", "config", "pdl", "quant_pdl", "early_b",
                          "group_m", "experts", "device"))
 _DECODE = _layout("decode", ("x", "x_scale", "w", "w_scale", "bias", "out", "stream",
-                             "tile_expert", "route_ids", "ws_floats", "tiles", "x_dtype",
+                             "tile_expert", "route_ids", "row_token", "ws_floats", "tiles",
+                             "x_dtype",
                              "xs_stride_m", "xs_stride_kb", "per_row", "bias_f32", "out_dtype",
                              "m", "n", "k", "config", "rows", "splits", "ctas_per_sm", "pdl",
                              "early_trigger", "quant_first", "experts", "top_k", "ids_int64",
-                             "ids_ready", "silu_in", "window", "route_slots", "device"))
+                             "ids_ready", "silu_in", "window", "route_slots", "route_top_k",
+                             "device"))
 _IN = {torch.bfloat16: DTYPE_CODES["kInBF16"], torch.float16: DTYPE_CODES["kInFP16"],
        torch.float32: DTYPE_CODES["kInFP32"], torch.float8_e4m3fn: DTYPE_CODES["kInFP8"]}
 _OUT = {torch.bfloat16: DTYPE_CODES["kOutBF16"], torch.float16: DTYPE_CODES["kOutFP16"]}
@@ -123,17 +125,20 @@ class Library:
                           rows, splits, ctas_per_sm, pdl, early_trigger, quant_first, None)
 
     def grouped(self, x, x_scale, w, w_scale, out, tile_expert, ws_floats, tiles, config,
-                splits, ctas_per_sm, pdl, window=-1, ids=None) -> None:
+                splits, ctas_per_sm, pdl, window=-1, ids=None, row_token=None) -> None:
         # the grouped expert GEMM (backends/sm90/moe.py): fp8 x sorted by expert in token
         # tiles, tile_expert int32 [m / tile], w [E, n, k], 128x128 w_scale [E, ...];
         # window: weight stages in flight (-1 the kernel's rule, 0 the whole ring); ids: the
         # contiguous topk_ids (int32/int64) that the routing sorted, written before the
         # previous kernel: the first wave's CTAs find their tile's expert from them (the
-        # routing may still run), later ones read tile_expert
+        # routing may still run), later ones read tile_expert; row_token (with ids): x is the
+        # bf16/fp16 tokens [M', k], sorted row r token row_token[r] (-1: padding), read and
+        # quantized in the kernel (no gather)
         slots = (0, ids is not None and ids.dtype == torch.int64, False, False)
         self._decode_call(x, x_scale, w, w_scale, False, None, out, ws_floats, tiles, config,
                           128, splits, ctas_per_sm, pdl, False, False, tile_expert, slots,
-                          window=window, route_ids=ids)
+                          None if row_token is None else row_token.numel(), window, ids,
+                          row_token)
 
     def grouped_slots(self, x, w, w_scale, out, topk_ids, ws_floats, tiles, splits,
                       ctas_per_sm, pdl, silu_in, ids_ready, window=-1) -> None:
@@ -148,20 +153,23 @@ class Library:
 
     def _decode_call(self, x, x_scale, w, w_scale, per_row, bias, out, ws_floats, tiles, config,
                      rows, splits, ctas_per_sm, pdl, early_trigger, quant_first, tile_expert,
-                     slots=(0, False, False, False), m=None, window=-1, route_ids=None):
+                     slots=(0, False, False, False), m=None, window=-1, route_ids=None,
+                     row_token=None):
         dev = x.device.index
         _check(self._decode(_DECODE.pack(
             x.data_ptr(), 0 if x_scale is None else x_scale.data_ptr(), w.data_ptr(),
             w_scale.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
             _stream(dev), 0 if tile_expert is None else tile_expert.data_ptr(),
-            0 if route_ids is None else route_ids.data_ptr(), ws_floats,
+            0 if route_ids is None else route_ids.data_ptr(),
+            0 if row_token is None else row_token.data_ptr(), ws_floats,
             tiles, _IN[x.dtype], 0 if x_scale is None else x_scale.stride(0),
             0 if x_scale is None else x_scale.stride(1), per_row,
             bias is not None and bias.dtype == torch.float32, _OUT[out.dtype],
             x.shape[0] if m is None else m, w.shape[-2], w.shape[-1], config, rows, splits,
             ctas_per_sm, pdl, early_trigger, quant_first,
             1 if tile_expert is None else w.shape[0], *slots, window,
-            0 if route_ids is None else route_ids.numel(), dev)))
+            0 if route_ids is None else route_ids.numel(),
+            0 if route_ids is None else route_ids.shape[-1], dev)))
 
 
 def _check(err) -> None:

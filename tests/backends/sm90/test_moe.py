@@ -379,6 +379,29 @@ def test_tile_route_leaves_the_output_bitwise(m, e, top_k, h, inter, routing, id
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m,e,top_k,h,inter,routing,ids_dtype,away", [
+    (40, 16, 4, 1024, 512, "random", torch.int64, 0.0),
+    (24, 32, 2, 256, 384, "few", torch.int32, 0.0),
+    (40, 8, 2, 384, 256, "one_expert", torch.int32, 0.0),
+    (200, 16, 8, 256, 128, "random", torch.int32, 0.0),
+    (9, 300, 4, 208, 128, "random", torch.int64, 0.0),
+    (40, 16, 4, 512, 256, "random", torch.int32, 0.5),
+])
+@pytest.mark.parametrize("token_tile", [8, 16])
+def test_token_rows_leave_the_output_bitwise(m, e, top_k, h, inter, routing, ids_dtype, away,
+                                             token_tile):
+    # moe-token-rows: gate_up quantizing its rows' tokens itself (the quant kernel's
+    # numerics) writes the bits it writes after the gather's
+    gen = torch.Generator().manual_seed(m + e)
+    x, w13, s13, w2, s2, wts, ids = layer(gen, m, e, top_k, h, inter, routing)
+    ids = ids.masked_fill(torch.rand(ids.shape, generator=gen) < away, -1).to(ids_dtype)
+    args = [t.cuda() for t in (x, w13, s13, w2, s2, wts, ids)]
+    plan = dict(prefill=False, slot_tiles=False, token_tile=token_tile, tile_route=True)
+    got = _bitwise_alike(args, dict(plan, token_rows=False), dict(plan, token_rows=True))
+    assert R.rel_err(got, moe_reference(*args)) <= 1e-2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", MOE_PREFILL_CONFIGS[1:])
 @pytest.mark.parametrize("routing", ["random", "edges"])
 def test_prefill_tiles_leave_the_output_bitwise(config, routing):
@@ -452,6 +475,15 @@ def test_forced_pieces_are_checked_and_restored():
     with sm90_moe.forced(tile_route=False):
         plan = sm90_moe._apply_forced(moe_plan(16, 8, 128, 2048, 768, 132), 2048, 768)
         assert not plan.tile_route and not plan.slot_tiles
+    with pytest.raises(ValueError, match=r"^token_rows=True needs tile_route \(gate_up finds "
+                                         r"its tiles' tokens from the ids\)$"):
+        with sm90_moe.forced(token_rows=True, tile_route=False):
+            sm90_moe._apply_forced(moe_plan(16, 8, 128, 2048, 768, 132), 2048, 768)
+    with sm90_moe.forced(token_rows=False):
+        plan = sm90_moe._apply_forced(moe_plan(16, 8, 128, 2048, 768, 132), 2048, 768)
+        assert plan.tile_route and not plan.token_rows
+    plan = sm90_moe._apply_forced(moe_plan(16, 8, 128, 2048, 768, 132), 2048, 768)
+    assert plan.token_rows  # (the rule's, as for the plan)
     for pieces, kernel in ((dict(prefill=True), "prefill kernel"),
                            (dict(slot_tiles=True), "slot tiles")):
         with pytest.raises(ValueError, match=r"^tile_route=True runs the decode kernel's sorted "
@@ -502,9 +534,21 @@ def test_forced_pieces_are_checked_and_restored():
 def test_sorted_decode_tiles_route_their_own_experts(model, m):
     # moe-tile-route: the decode kernel's sorted tiles, not the slot tiles (no routing) nor
     # the prefill kernel
-    plan = moe_plan(m, *MODELS[model], 132)
+    e, k, h, i = MODELS[model]
+    plan = moe_plan(m, k, e, h, i, 132)
     assert plan.tile_route == (not plan.prefill and not plan.slot_tiles)
     assert ("moe-tile-route" in plan.rule) == plan.tile_route
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("m", [1, 8, 16, 64, 128, 1024])
+def test_narrow_experts_8_token_tiles_read_their_tokens_rows(model, m):
+    # moe-token-rows: under moe-tile-route, 8-token tiles of hidden <= 2048 (Qwen3-30B-A3B)
+    e, k, h, i = MODELS[model]
+    plan = moe_plan(m, k, e, h, i, 132)
+    want = plan.tile_route and h <= 2048 and plan.token_tile == 8
+    assert plan.token_rows == want and ("moe-token-rows" in plan.rule) == want
+    assert plan.token_rows == (model == "qwen3_30b_a3b" and 8 <= m <= 64)
 
 
 @pytest.mark.parametrize("model, m, prefill", [
