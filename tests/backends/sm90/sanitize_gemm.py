@@ -72,6 +72,11 @@ MOE_CASES = [
     # last tile past N; M blocks of one expert and of two, an odd count)
     (700, 8, 2, 384, 256, torch.bfloat16, {"prefill": True, "prefill_config": 14}),
     (200, 8, 2, 384, 256, torch.float16, {"prefill": True, "prefill_config": 14}),
+    # the decode kernel's sorted tiles (the rules take slot tiles at these small sizes): 16-token
+    # tiles after the parallel routing, gate_up finding its tiles' experts from the ids
+    # (moe-tile-route); 8-token tiles reading their rows' tokens too (moe-token-rows)
+    (64, 32, 4, 2176, 128, torch.float16, {"slot_tiles": False}),
+    (40, 16, 4, 512, 256, torch.bfloat16, {"slot_tiles": False, "token_tile": 8}),
 ]
 QUICK = [0, 2, 5, 6, 7]   # racecheck is slow on warp-specialized kernels: fewer cases
 # decode plans forced for the decode cases under --configs all (plan.forced pieces)
