@@ -361,43 +361,24 @@ def test_decode_window_leaves_the_output_bitwise(kernel, window):
     (24, 32, 2, 256, 384, "few", torch.int32, 0.0),       # most experts get no token
     (40, 8, 2, 384, 256, "one_expert", torch.int32, 0.0),
     (200, 16, 8, 256, 128, "random", torch.int32, 0.0),   # 1600 slots: parallel routing
-    (9, 300, 4, 256, 128, "random", torch.int64, 0.0),    # 10 experts a lane of the scan
+    (9, 300, 4, 208, 128, "random", torch.int64, 0.0),    # 10 experts a lane of the scan
     (40, 16, 4, 512, 256, "random", torch.int32, 0.5),    # slots held elsewhere (id -1)
 ])
-@pytest.mark.parametrize("token_tile", [8, 32])
-def test_tile_route_leaves_the_output_bitwise(m, e, top_k, h, inter, routing, ids_dtype, away,
-                                              token_tile):
+@pytest.mark.parametrize("piece, token_tile", [("tile_route", 8), ("tile_route", 32),
+                                               ("token_rows", 8), ("token_rows", 16)])
+def test_gate_up_routing_itself_leaves_the_output_bitwise(m, e, top_k, h, inter, routing,
+                                                          ids_dtype, away, piece, token_tile):
     # gate_up's CTAs find their tiles' experts from the ids as the routing places them
-    # (moe-tile-route), every tile's expert the routing's: the same rows, products and sums
+    # (moe-tile-route), and their rows' tokens, quantized as the gather does (moe-token-rows):
+    # the same rows, products and sums
     gen = torch.Generator().manual_seed(m + e)
     x, w13, s13, w2, s2, wts, ids = layer(gen, m, e, top_k, h, inter, routing)
     ids = ids.masked_fill(torch.rand(ids.shape, generator=gen) < away, -1).to(ids_dtype)
     args = [t.cuda() for t in (x, w13, s13, w2, s2, wts, ids)]
-    plan = dict(prefill=False, slot_tiles=False, token_tile=token_tile)
-    got = _bitwise_alike(args, dict(plan, tile_route=False), dict(plan, tile_route=True))
-    assert R.rel_err(got, moe_reference(*args)) <= 1e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,e,top_k,h,inter,routing,ids_dtype,away", [
-    (40, 16, 4, 1024, 512, "random", torch.int64, 0.0),
-    (24, 32, 2, 256, 384, "few", torch.int32, 0.0),
-    (40, 8, 2, 384, 256, "one_expert", torch.int32, 0.0),
-    (200, 16, 8, 256, 128, "random", torch.int32, 0.0),
-    (9, 300, 4, 208, 128, "random", torch.int64, 0.0),
-    (40, 16, 4, 512, 256, "random", torch.int32, 0.5),
-])
-@pytest.mark.parametrize("token_tile", [8, 16])
-def test_token_rows_leave_the_output_bitwise(m, e, top_k, h, inter, routing, ids_dtype, away,
-                                             token_tile):
-    # moe-token-rows: gate_up quantizing its rows' tokens itself (the quant kernel's
-    # numerics) writes the bits it writes after the gather's
-    gen = torch.Generator().manual_seed(m + e)
-    x, w13, s13, w2, s2, wts, ids = layer(gen, m, e, top_k, h, inter, routing)
-    ids = ids.masked_fill(torch.rand(ids.shape, generator=gen) < away, -1).to(ids_dtype)
-    args = [t.cuda() for t in (x, w13, s13, w2, s2, wts, ids)]
-    plan = dict(prefill=False, slot_tiles=False, token_tile=token_tile, tile_route=True)
-    got = _bitwise_alike(args, dict(plan, token_rows=False), dict(plan, token_rows=True))
+    plan = dict(prefill=False, slot_tiles=False, token_tile=token_tile, token_rows=False)
+    if piece == "token_rows":
+        plan["tile_route"] = True
+    got = _bitwise_alike(args, dict(plan, **{piece: False}), dict(plan, **{piece: True}))
     assert R.rel_err(got, moe_reference(*args)) <= 1e-2
 
 
