@@ -367,8 +367,6 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, out):
                     _forced.get("slot_tiles"))
     if _forced:
         plan = _apply_forced(plan, hidden, two_i // 2)
-    if plan.token_rows and x.dtype == torch.float32:  # (the kernel reads 16-bit tokens)
-        plan = dataclasses.replace(plan, token_rows=False)
     if plan.slot_tiles:
         return _slot_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, plan, out)
     return sorted_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids,
