@@ -675,3 +675,17 @@ def test_grouped_entry_points_refuse_bad_arguments_before_launching():
             lambda: lib._decode_call(bf[:16], None, w, ws, False, None, out[:64], 0, 128, 2,
                                      128, 1, 2, False, False, False, ids[:16],
                                      (4, False, False, False), 64))
+    # sorted tiles: 16-bit tokens only with their rows' tokens and the ids (moe-token-rows),
+    # no bias, the ids' experts counted in a CTA's ring (moe-tile-route)
+    refused(r"grouped decode: grouped GEMMs take fp8 activations \(sorted by expert\), or "
+            r"bf16/fp16 tokens with row_token, route_ids and route_top_k",
+            lambda: lib.grouped(bf, None, w, ws, out, tiles, 0, 4, 0, 1, 1, False))
+    bias = torch.zeros(n, dtype=torch.bfloat16, device="cuda")
+    refused(r"grouped decode: grouped GEMMs take no bias",
+            lambda: lib._decode_call(a, a_scale, w, ws, False, bias, out, 0, 4, 0, 128, 1, 1,
+                                     False, False, False, tiles))
+    many = torch.zeros(1, n, k, dtype=torch.float8_e4m3fn, device="cuda").expand(4096, n, k)
+    refused(r"grouped decode: route_slots must be >= 0, and 0 without route_ids or above 4095 "
+            r"experts",
+            lambda: lib.grouped(a, a_scale, many, ws, out, tiles, 0, 4, 0, 1, 1, False,
+                                ids=ids))
