@@ -112,15 +112,17 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
   // (kSlots: a tile a (token, slot) pair)
   const dim3 grid((d.N + row_step - 1) / row_step, kSlots ? d.M : (d.M + BT - 1) / BT, d.splits);
   // (first_stages leaves out the row-step CTAs, 128 rows, and the relaying ones, split K)
-  DecodeParams p{d.x,         d.x_dtype,  kSlots ? d.top_k : d.route_top_k, {d.x_scale}, d.xs_stride_m,
-                 d.xs_stride_kb, d.w_scale, {kGrouped ? d.route_ids : d.bias}, d.bias_f32,    d.ids_int64 != 0,
-                 d.ids_ready != 0, d.silu_in != 0, d.experts, d.out, d.workspace, d.counters,
-                 d.M,         d.N,        d.K,       num_kb,        d.splits,
-                 stages,      d.pdl && d.early_trigger ? 1 : 0,
-                 kGrouped && !kSlots ? d.route_slots : row_step,
+  DecodeParams p{d.x,         d.x_dtype,     kSlots ? d.top_k : d.route_top_k,
+                 {d.x_scale},  d.xs_stride_m, d.xs_stride_kb, d.w_scale, {d.bias}, d.bias_f32,
+                 d.ids_int64 != 0, d.ids_ready != 0, d.silu_in != 0, d.experts, d.out, d.workspace,
+                 d.counters,  d.M,           d.N,  d.K,  num_kb,  d.splits,  stages,
+                 d.pdl && d.early_trigger ? 1 : 0, {row_step},
                  kRelay ? relay_stages(stages) : window_stages(kRows, kCtasPerSM, stages, d.window),
                  first_stages(kRows, d.splits, kbs, grid.x * grid.y, kCtasPerSM * d.num_sms),
                  d.tile_expert};
+  // the unions' other members (DecodeParams): the grouped kernels take no bias
+  if (kGrouped) p.route_ids = d.route_ids;
+  if (kGrouped && !kSlots) p.route_slots = d.route_slots;
   if (row_tokens) p.row_token = d.row_token;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
