@@ -67,7 +67,7 @@ MOE_CASES = [
     (1, 8, 2, 256, 128, torch.bfloat16),     # slot tiles
     (300, 8, 2, 256, 128, torch.bfloat16),   # >= 32 tokens an expert: the prefill kernel
     (100, 8, 2, 256, 128, torch.bfloat16),   # 200 slots: the one-program routing
-    (200, 8, 2, 256, 256, torch.bfloat16),   # prefill again (--quick takes the even indices)
+    (200, 8, 2, 256, 256, torch.bfloat16),   # prefill again
     # the prefill kernel's pairs of 128x192 tiles (gate_up's 512 and down's 384 columns: a
     # last tile past N; M blocks of one expert and of two, an odd count)
     (700, 8, 2, 384, 256, torch.bfloat16, {"prefill": True, "prefill_config": 14}),
@@ -78,7 +78,7 @@ MOE_CASES = [
     (64, 32, 4, 2176, 128, torch.float16, {"slot_tiles": False}),
     (40, 16, 4, 512, 256, torch.bfloat16, {"slot_tiles": False, "token_tile": 8}),
 ]
-QUICK = [0, 2, 5, 6, 7]   # racecheck is slow on warp-specialized kernels: fewer cases
+QUICK = [0, 2, 5, 6, 7]   # racecheck is slow on warp-specialized kernels: fewer dense cases
 # decode plans forced for the decode cases under --configs all (plan.forced pieces)
 DECODE_PLANS = [
     {"decode_rows": 128, "decode_ctas": 2},
@@ -158,7 +158,8 @@ def run_moe_case(i, m, e, top_k, h, inter, dtype, forced=None, dev="cuda"):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help=f"only cases {QUICK} (for racecheck)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"only dense cases {QUICK}, every MoE case (for racecheck)")
     p.add_argument("--backend", default="sm90", help="FP8LINEAR_BACKEND to force")
     p.add_argument("--device", default="cuda",
                    help="cpu: dry run of this script on the torch reference")
@@ -205,9 +206,7 @@ def main(argv=None) -> int:
                       f"{str(dtype).split('.')[-1]} bias={with_bias} "
                       f"plan={plan_of(m, n, k) if a.device == 'cuda' else '-'} "
                       f"{time.time() - t:.1f}s {status}", flush=True)
-    for i, case in enumerate(MOE_CASES):
-        if a.quick and i % 2:
-            continue
+    for i, case in enumerate(MOE_CASES):  # (--quick too: each a fraction of a second)
         t = time.time()
         errs = run_moe_case(i, *case, dev=a.device)
         fails += bool(errs)
