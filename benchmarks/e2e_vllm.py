@@ -6,8 +6,8 @@
 
 Models (built on the device, no downloads; stage `models`): a Llama-3.1-8B-shaped model
 (hidden 4096, 32 query / 8 KV heads of 128, FFN 14336, vocab 128256, untied lm_head) with
---layers decoder layers (default 8: the 32-layer model's load and start-up do not fit this
-session's device time; per-token times of the layer part scale by ~4 for 32 layers, the
+--layers decoder layers (default 8: the 32-layer model's load and start-up do not fit in one
+device call; per-token times of the layer part scale by ~4 for 32 layers, the
 lm_head part does not) and seeded random weights, written as BF16 safetensors + config.json,
 then converted with the product's CLI: `python -m fp8linear.cli quantize BF16 FP8`
 (128x128 block FP8, lm_head and embeddings kept BF16).
@@ -642,8 +642,8 @@ def compare_variant(results: dict, other: str, base: str = "fp8_blockgemm") -> d
     with Inductor's PDL off or with the quantization fusion pass off, or X and X@tpN / X@epN
     (TP1 vs split over GPUs). Their greedy tokens and log-probabilities are compared (a missed
     wait would show here; so do rounding changes, e.g. the fused kernels' or a TP all-reduce's,
-    and Inductor's compile-time choices, which can differ between engine processes: NOTES,
-    session 14); without a bf16 engine each scores its own greedy tokens: the prompt only."""
+    and Inductor's compile-time choices, which can differ between engine processes); without a
+    bf16 engine each scores its own greedy tokens: the prompt only."""
     a, b = results.get(base, {}), results.get(other, {})
     if "tf_logprobs" not in a or "tf_logprobs" not in b:
         return {}
@@ -956,7 +956,7 @@ def engines(args, models_rec) -> int:
             f"(bf16: vLLM's dummy weights); log-probabilities compared with "
             f"{logprob_reference()} on the same FP8 checkpoint" if is_moe() else
             f"{args.layers} of Llama-3.1-8B's 32 layers (seeded random weights): the 32-layer "
-            f"model's load and start-up did not fit this session's device time")),
+            f"model's load and start-up did not fit in one device call")),
         "models_build": {k: v for k, v in models_rec.items() if k != "model"},
         "batches": args.batch_list, "prompt_len": args.prompt_len, "out_len": args.out_len,
         "prefill": args.prefill_spec, "reps": args.reps, "compile": args.compile,
