@@ -1,7 +1,7 @@
 """fp8linear/backends/sm90/backend.py's glue on the CPU: what it hands the kernel library
 (tensors, layouts, flags) for each launch (launch.decide), with a recording stand-in for
-library.Library. The kernels themselves are tested on the GPU (tests/backends/test_gemm_gpu.py);
-this keeps CI on the Python side of every launch."""
+library.Library. The kernels themselves are tested on the GPU (tests/backends/test_gemm_gpu.py,
+sm90/test_gemm.py); this keeps CI on the Python side of every launch."""
 from __future__ import annotations
 
 import contextlib

@@ -4,7 +4,7 @@ the inter-process lock, real nvcc builds of a tiny stand-in csrc (one that fails
 library.Library loads with ctypes), and the fallback to Triton where the kernels cannot run.
 
 The real kernels are compiled by tests/test_wheel.py (the platform wheel) and run on a GPU in
-tests/backends/test_gemm_gpu.py.
+tests/backends/test_gemm_gpu.py and sm90/test_gemm.py.
 """
 from __future__ import annotations
 
