@@ -32,6 +32,13 @@ namespace fp8l {
 
 constexpr int kDecodeMaxRows = 128;  // weight rows per CTA: 128, or 64
 
+// Whether the CTA reads its sorted rows' tokens itself (grouped sorted tiles of 16-bit x:
+// row_token or the ids, DecodeParams), and so keeps their tokens in shared memory (the
+// layout's `tok`): host and kernel agree through this one test.
+__host__ __device__ constexpr bool decode_row_tokens(bool grouped, bool slots, bool fused) {
+  return grouped && !slots && fused;
+}
+
 struct DecodeLayout {
   int stage, x, xs, ws, bar, flag, tok, total;
 };
@@ -135,8 +142,7 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
   // gemm_kernel.cuh)
   uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   const bool fused = p.x_dtype != kInFP8;
-  // (sorted tiles of 16-bit tokens: the rows' tokens from row_token or the ids, DecodeParams)
-  const bool row_tokens = kGrouped && !kSlots && fused;
+  const bool row_tokens = decode_row_tokens(kGrouped, kSlots, fused);
   const DecodeLayout L = decode_layout(kRows, BT, (p.num_kb + p.splits - 1) / p.splits,
                                        p.stages, kPerRow, fused, kRowStep, kRelay, row_tokens);
   int* tokens = reinterpret_cast<int*>(smem + L.tok);

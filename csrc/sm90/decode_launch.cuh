@@ -79,7 +79,7 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
   const int num_kb = (d.K + kBlockK - 1) / kBlockK;
   const int kbs = (num_kb + d.splits - 1) / d.splits;
   const bool fused = d.x_dtype != kInFP8;
-  const bool row_tokens = kGrouped && !kSlots && fused;  // (decode_kernel.cuh DecodeParams)
+  const bool row_tokens = decode_row_tokens(kGrouped, kSlots, fused);
   const int stages =
       pick_stages(kRows, BT, kbs, kPerRow, fused, kRowStep, kRelay, kSmemLimit, row_tokens);
   const DecodeLayout layout =
