@@ -43,12 +43,11 @@ _GEMM = _layout("gemm", ("a", "a_scale_t", "w", "w_scale", "bias", "out", "strea
                          "group_m", "experts", "device"))
 _DECODE = _layout("decode", ("x", "x_scale", "w", "w_scale", "bias", "out", "stream",
                              "tile_expert", "route_ids", "row_token", "ws_floats", "tiles",
-                             "x_dtype",
-                             "xs_stride_m", "xs_stride_kb", "per_row", "bias_f32", "out_dtype",
-                             "m", "n", "k", "config", "rows", "splits", "ctas_per_sm", "pdl",
-                             "early_trigger", "quant_first", "experts", "top_k", "ids_int64",
-                             "ids_ready", "silu_in", "window", "route_slots", "route_top_k",
-                             "device"))
+                             "x_dtype", "xs_stride_m", "xs_stride_kb", "per_row", "bias_f32",
+                             "out_dtype", "m", "n", "k", "config", "rows", "splits",
+                             "ctas_per_sm", "pdl", "early_trigger", "quant_first", "experts",
+                             "top_k", "ids_int64", "ids_ready", "silu_in", "window",
+                             "route_slots", "route_top_k", "device"))
 _IN = {torch.bfloat16: DTYPE_CODES["kInBF16"], torch.float16: DTYPE_CODES["kInFP16"],
        torch.float32: DTYPE_CODES["kInFP32"], torch.float8_e4m3fn: DTYPE_CODES["kInFP8"]}
 _OUT = {torch.bfloat16: DTYPE_CODES["kOutBF16"], torch.float16: DTYPE_CODES["kOutFP16"]}

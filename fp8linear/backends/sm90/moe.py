@@ -340,13 +340,18 @@ def _grouped_gemm(plan: MoePlan):
         return prefill
 
     def run(a, a_scale, w, w_scale, r: Routing, out, which: int):
-        g = plan.gate_up if which == 0 else plan.down
-        tiles = cdiv(w.shape[1], ROWS) * r.tile_expert.shape[0]
-        library.load().grouped(a, a_scale, w, w_scale, out, r.tile_expert,
-                               _partials(g, tiles, r.token_tile), tiles,
-                               plan.config, g.splits, g.ctas_per_sm, plan.pdl, g.window,
-                               r.ids if which == 0 and plan.tile_route else None)
+        _grouped_decode(plan, plan.gate_up if which == 0 else plan.down, a, a_scale, w,
+                        w_scale, r, out, r.ids if which == 0 and plan.tile_route else None)
     return run
+
+
+def _grouped_decode(plan: MoePlan, g: GroupedGemmPlan, a, a_scale, w, w_scale, r: Routing,
+                    out, ids=None, row_token=None) -> None:
+    """One grouped GEMM on the decode kernel over the routing's tiles (library.grouped)."""
+    tiles = cdiv(w.shape[1], ROWS) * r.tile_expert.shape[0]
+    library.load().grouped(a, a_scale, w, w_scale, out, r.tile_expert,
+                           _partials(g, tiles, r.token_tile), tiles, plan.config, g.splits,
+                           g.ctas_per_sm, plan.pdl, g.window, ids, row_token)
 
 
 def _partials(g: GroupedGemmPlan, tiles: int, token_tile: int) -> int:
@@ -420,11 +425,7 @@ def stages(plan: MoePlan) -> Stages:
 
 def _gate_up_from_tokens(plan: MoePlan):
     def run(x, w13, w13_scale, r: Routing, out):
-        g = plan.gate_up
-        tiles = cdiv(w13.shape[1], ROWS) * r.tile_expert.shape[0]
-        library.load().grouped(x, None, w13, w13_scale, out, r.tile_expert,
-                               _partials(g, tiles, r.token_tile), tiles, plan.config, g.splits,
-                               g.ctas_per_sm, plan.pdl, g.window, r.ids, r.row_token)
+        _grouped_decode(plan, plan.gate_up, x, None, w13, w13_scale, r, out, r.ids, r.row_token)
     return run
 
 
