@@ -32,6 +32,12 @@ namespace fp8l {
 
 constexpr int kDecodeMaxRows = 128;  // weight rows per CTA: 128, or 64
 
+// Threads a CTA: two math warpgroups and a producer warpgroup; three CTAs an SM (the slot
+// tiles, moe-slot-three) keep one producer warp, so that 72 registers a thread fit.
+__host__ __device__ constexpr int decode_threads(int ctas_per_sm) {
+  return ctas_per_sm == 3 ? 288 : 384;
+}
+
 // Whether the CTA reads its sorted rows' tokens itself (grouped sorted tiles of 16-bit x:
 // row_token or the ids, DecodeParams), and so keeps their tokens in shared memory (the
 // layout's `tok`): host and kernel agree through this one test.
@@ -129,7 +135,7 @@ static_assert(sizeof(DecodeParams) == 128, "see above");
 // routing (DecodeParams); 16-bit input.
 template <int BT, int kRows, bool kPerRow, typename OutT, int kCtasPerSM, bool kRowStep,
           bool kRelay = false, bool kGrouped = false, bool kSlots = false>
-__global__ void __launch_bounds__(384, kCtasPerSM)
+__global__ void __launch_bounds__(decode_threads(kCtasPerSM), kCtasPerSM)
     fp8_decode_kernel(const __grid_constant__ CUtensorMap tmap_w,
                       const __grid_constant__ CUtensorMap tmap_x,  // fp8 activations (kInFP8)
                       const DecodeParams p) {
@@ -338,7 +344,8 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
     // the CTA, all in flight at once. Issued while the weight ring streams, each batch waits
     // behind the queued weight tiles (2-4 us; a probe whose log was lost), so few batches keep
     // the prologue short. (16 loads a lane at one CTA an SM: ~1 us slower at M = 1-2, ditto.)
-    constexpr int kLoads = 8;
+    // Three CTAs an SM: 4 (8 spill at 72 registers), each group its own scale below.
+    constexpr int kLoads = kCtasPerSM == 3 ? 4 : 8;
     const int half = lane / 16, hl = lane % 16;
     for (int gw = warp; gw < groups; gw += 16 * kLoads) {  // warp-uniform (shuffles)
       const int g0 = gw + 8 * half;
@@ -372,7 +379,6 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
       // latency costs more than the divisions they save).
       // Row t of a K block's [BT x 128] tile, 128B-swizzled like a TMA box: chunk c at
       // c ^ (t % 8); a lane's 8 bytes are half of chunk hl / 2.
-      static_assert(kLoads == 8, "a lane works out the scale of group hl % 8");
       uint32_t amax2[kLoads / 2];  // groups 2i (low half) and 2i + 1 (high half)
 #pragma unroll
       for (int i = 0; i < kLoads / 2; ++i) {
@@ -397,7 +403,11 @@ __global__ void __launch_bounds__(384, kCtasPerSM)
                                   (hl % 2) * 8) = packed;
         if (hl == 0) sXS[i * BT + t] = gs.scale();
       };
-      if (gw + 8 + 16 * 3 < groups) {  // warp-uniform: every lane has >= 4 live groups
+      if constexpr (kLoads != 8) {
+#pragma unroll
+        for (int u = 0; u < kLoads; ++u)
+          if (g0 + 16 * u < groups) emit(u, group_scale(amax_of(u)));
+      } else if (gw + 8 + 16 * 3 < groups) {  // warp-uniform: every lane has >= 4 live groups
         const int j = hl % 8;
         const uint32_t wj = (j & 4) ? ((j & 2) ? amax2[3] : amax2[2])
                                     : ((j & 2) ? amax2[1] : amax2[0]);

@@ -12,9 +12,11 @@
 namespace fp8l {
 namespace decode_launch {
 
-// Dynamic shared memory a CTA may use at one or two CTAs an SM (sm90/tables.def)
+// Dynamic shared memory a CTA may use at one, two or three CTAs an SM (sm90/tables.def)
 constexpr int smem_limit(int ctas_per_sm) {
-  return ctas_per_sm == 1 ? kSmemOneCtaPerSm : kSmemTwoCtasPerSm;
+  return ctas_per_sm == 1   ? kSmemOneCtaPerSm
+         : ctas_per_sm == 2 ? kSmemTwoCtasPerSm
+                            : kSmemThreeCtasPerSm;
 }
 // 128 KB of weights in flight per CTA (8 stages of 128 rows, 16 of 64) saturates HBM
 constexpr int kMaxWeightBytesInFlight = 8 * kDecodeMaxRows * kBlockK;
@@ -39,14 +41,15 @@ inline int pick_stages(int rows, int bt, int kbs, bool per_row, bool fused, bool
   return stages;
 }
 
-// Weight stages a CTA keeps in flight (0: the whole ring). 128-row CTAs two an SM have the
-// most weight bytes in flight an SM (two rings of ~96 KB), and every SM's requests queue in
-// the memory system ahead of the loads each kernel's critical path waits for (activations,
-// the quant kernel's reads, the split reduction): 2 stages (32 KB) a CTA keep HBM busy
-// without that queue. Other plans lose with a window (docs/tuning.md: decode-weight-window).
+// Weight stages a CTA keeps in flight (0: the whole ring). 128-row CTAs two an SM (or three)
+// have the most weight bytes in flight an SM (two rings of ~96 KB), and every SM's requests
+// queue in the memory system ahead of the loads each kernel's critical path waits for
+// (activations, the quant kernel's reads, the split reduction): 2 stages (32 KB) a CTA keep
+// HBM busy without that queue. Other plans lose with a window (docs/tuning.md:
+// decode-weight-window).
 // `forced` >= 0: the window a plan asked for (DecodeArgs::window; the MoE plans, tests).
 inline int window_stages(int rows, int ctas_per_sm, int stages, int forced = -1) {
-  const int w = forced >= 0 ? forced : rows == kDecodeMaxRows && ctas_per_sm == 2 ? 2 : 0;
+  const int w = forced >= 0 ? forced : rows == kDecodeMaxRows && ctas_per_sm >= 2 ? 2 : 0;
   return w < stages ? w : 0;
 }
 
@@ -126,7 +129,7 @@ std::string launch(const DecodeArgs& d, cudaStream_t stream) {
   if (row_tokens) p.row_token = d.row_token;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
-  cfg.blockDim = dim3(384);
+  cfg.blockDim = dim3(decode_threads(kCtasPerSM));
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];

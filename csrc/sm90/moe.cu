@@ -36,7 +36,8 @@ std::string launch_slots(const DecodeArgs& d, cudaStream_t stream) {
   if (d.M % d.top_k != 0) return "slot tiles: M must be tokens x top_k";
   if (d.ctas_per_sm == 1) return slot_types<1>(d, stream);
   if (d.ctas_per_sm == 2) return slot_types<2>(d, stream);
-  return "ctas_per_sm must be 1 or 2";
+  if (d.ctas_per_sm == 3) return slot_types<3>(d, stream);
+  return "ctas_per_sm must be 1, 2 or 3";
 }
 
 template <int BT>

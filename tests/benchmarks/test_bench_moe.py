@@ -47,11 +47,13 @@ def test_exploration_methods_force_the_plan_pieces_they_name():
     assert bench_moe.forced_pieces("c14+unfused") == {"prefill_config": 14, "fused_act": False}
     assert bench_moe.forced_pieces("s2+t16") == {"splits": 2, "token_tile": 16}
     assert bench_moe.forced_pieces("w0+s2") == {"window": 0, "splits": 2}
+    assert bench_moe.forced_pieces("slots+k3") == {"slot_tiles": True, "ctas": 3}
     with pytest.raises(ValueError, match=r"^unknown forced piece 'fast'$"):
         bench_moe.forced_pieces("fast")
     with pytest.raises(ValueError, match=r"^unknown forced piece 'c'$"):
         bench_moe.forced_pieces("c14+c")
     # each one forced() takes
-    for piece in ("t64", "nopdl", "prefill", "slots", "sorted", "g8", "c14+unfused", "s2"):
+    for piece in ("t64", "nopdl", "prefill", "slots", "sorted", "g8", "c14+unfused", "s2",
+                  "slots+k3"):
         with sm90_moe.forced(**bench_moe.forced_pieces(piece)):
             assert sm90_moe._forced

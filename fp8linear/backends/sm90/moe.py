@@ -47,6 +47,7 @@ PARALLEL_ROUTE_MIN_SLOTS = 256
 FUSED_ACT_MAX_HIDDEN = 4096
 SLOT_TILES_MAX_REREAD_BYTES = 30e6
 SLOT_TILES_MAX_KBS = 64
+SLOT_THREE_MAX_KBS = 32  # moe-slot-three
 SORTED_WINDOW = 4  # moe-decode-window
 TOKEN_ROWS_MAX_HIDDEN = 2048  # moe-token-rows
 
@@ -160,6 +161,8 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
             # beside >= 2 weight stages (16 KB each) in two CTAs' share of an SM: <= 64 K
             # blocks a split (DeepSeek-V3's 56 run unsplit, Mixtral's 112 in 4 splits anyway)
             splits = max(splits, cdiv(num_kb, SLOT_TILES_MAX_KBS))
+            if slot_three_takes(cdiv(n, ROWS) * tiles * splits, sms, cdiv(num_kb, splits)):
+                return GroupedGemmPlan(splits, 3, window=window)
         return GroupedGemmPlan(splits, ctas, window=window)
 
     # moe-pdl: each grouped GEMM launches under PDL and streams its experts' weights while
@@ -193,6 +196,15 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
 def ctas_per_sm(token_tile: int) -> int:
     """The decode kernel's CTAs an SM at a token tile: two for tiles <= 32 (moe.cu)."""
     return 2 if token_tile <= TWO_PER_SM_MAX_BT else 1
+
+
+def slot_three_takes(ctas: int, sms: int, kbs: int) -> bool:
+    """moe-slot-three: a slot-tile GEMM runs three CTAs an SM (288 threads, 72 registers)
+    where that takes its CTAs in fewer waves than two an SM do, and a split's K blocks
+    (<= 32: its resident quantized tile beside 2 weight stages) fit a third of the SM
+    (Qwen3-30B-A3B 3 tokens 41.5 -> 31.6 us, 4 46.0 -> 42.2; at as many waves, and below two
+    CTAs an SM, the two-CTA kernel's deeper ring and 8-load batches win)."""
+    return kbs <= SLOT_THREE_MAX_KBS and cdiv(ctas, 3 * sms) < cdiv(ctas, 2 * sms)
 
 
 def decode_window(ctas: int, slot_tiles: bool) -> int:
@@ -241,14 +253,18 @@ def forced(token_tile: int | None = None, splits: int | None = None, pdl: bool |
            prefill: bool | None = None, slot_tiles: bool | None = None,
            group_m: int | None = None, fused_act: bool | None = None,
            prefill_config: int | None = None, window: int | None = None,
-           tile_route: bool | None = None, token_rows: bool | None = None):
+           tile_route: bool | None = None, token_rows: bool | None = None,
+           ctas: int | None = None):
     """Overrides the rules' token tile, both GEMMs' K splits, PDL, the prefill kernel (which
     takes 128-token tiles only), the slot tiles (8-token tiles, not with the prefill
     kernel), the prefill kernel's tile order band, its SiLU-and-mul epilogue and its tile
     (one of MOE_PREFILL_CONFIGS; the epilogue runs 128-column tiles) and the decode kernel's
     weight stages in flight (0: its whole ring), gate_up's tile experts from the ids
     (moe-tile-route; the decode kernel's sorted tiles) and its tokens' rows read without the
-    gather (moe-token-rows; with tile_route) (benchmarks, tests)."""
+    gather (moe-token-rows; with tile_route), and both grouped GEMMs' CTAs an SM (``ctas``: 1,
+    2 with token tiles <= 32, 3 with slot tiles) (benchmarks, tests)."""
+    if ctas not in (None, 1, 2, 3):
+        raise ValueError(f"ctas must be 1, 2 or 3, got {ctas}")
     if token_tile is not None and token_tile not in DECODE_TILES:
         raise ValueError(f"token_tile must be one of {DECODE_TILES}, got {token_tile}")
     if slot_tiles and (prefill or token_tile not in (None, DECODE_TILES[0])):
@@ -274,7 +290,8 @@ def forced(token_tile: int | None = None, splits: int | None = None, pdl: bool |
                                       ("fused_act", fused_act),
                                       ("prefill_config", prefill_config),
                                       ("window", window), ("tile_route", tile_route),
-                                      ("token_rows", token_rows))
+                                      ("token_rows", token_rows),
+                                      ("ctas", ctas))
                    if v is not None})
     try:
         yield
@@ -311,11 +328,18 @@ def _apply_forced(plan: MoePlan, hidden: int, inter: int) -> MoePlan:
         config = DECODE_TILES.index(PREFILL_TILE)
     bt = DECODE_TILES[config]
     token_rows = _forced.get("token_rows", token_rows_takes(tile_route, hidden, bt))
+    ctas = _forced.get("ctas")
+    if (ctas == 3 and (prefill or not plan.slot_tiles)) or (ctas == 2 and bt > TWO_PER_SM_MAX_BT):
+        raise ValueError(f"ctas={ctas} runs slot tiles (3) or token tiles <= "
+                         f"{TWO_PER_SM_MAX_BT} (2), got token tile {bt}"
+                         + (", the prefill kernel" if prefill else ""))
 
     def g(old: GroupedGemmPlan, k: int) -> GroupedGemmPlan:
         splits = min(_forced.get("splits", old.splits), cdiv(k, BLOCK))
         group_m = _forced.get("group_m", old.group_m)
-        ctas = ctas_per_sm(bt)
+        # (the plan's CTAs an SM, moe-slot-three's included, unless the tile or forced)
+        ctas = _forced.get("ctas", old.ctas_per_sm if bt == plan.token_tile
+                           else ctas_per_sm(bt))
         return GroupedGemmPlan(splits, ctas, group_m,
                                _forced.get("prefill_config", old.prefill_config),
                                _forced.get("window", decode_window(ctas, plan.slot_tiles)))

@@ -55,7 +55,8 @@ def _parse(text: str):
 GEMM_TILES, DECODE_TILES, MOE_PREFILL_CONFIGS, _LIMITS, DTYPE_CODES, ENTRY_ARGS = _parse(
     (source_dir() / "sm90" / "tables.def").read_text())
 # dynamic shared memory of a CTA by CTAs an SM
-SMEM_PER_CTA = {1: _LIMITS["kSmemOneCtaPerSm"], 2: _LIMITS["kSmemTwoCtasPerSm"]}
+SMEM_PER_CTA = {1: _LIMITS["kSmemOneCtaPerSm"], 2: _LIMITS["kSmemTwoCtasPerSm"],
+                3: _LIMITS["kSmemThreeCtasPerSm"]}
 # the C entry points' interface version (csrc/capi.cpp fp8l_abi_version)
 ABI_VERSION = _LIMITS["kAbiVersion"]
 MOE_PREFILL_CONFIG = MOE_PREFILL_CONFIGS[0]

@@ -77,6 +77,8 @@ MOE_CASES = [
     # (moe-tile-route); 8-token tiles reading their rows' tokens too (moe-token-rows)
     (64, 32, 4, 2176, 128, torch.float16, {"slot_tiles": False}),
     (40, 16, 4, 512, 256, torch.bfloat16, {"slot_tiles": False, "token_tile": 8}),
+    # slot tiles three CTAs an SM (moe-slot-three), split K
+    (3, 16, 4, 1024, 256, torch.float16, {"slot_tiles": True, "ctas": 3, "splits": 2}),
 ]
 QUICK = [0, 2, 5, 6, 7]   # racecheck is slow on warp-specialized kernels: fewer dense cases
 # decode plans forced for the decode cases under --configs all (plan.forced pieces)

@@ -11,7 +11,8 @@ import torch
 import fp64_reference as R
 from fp8linear import quantize_activation
 from fp8linear.backends import dispatch
-from fp8linear.backends.sm90.moe import GroupedGemmPlan, expected_active, moe_plan
+from fp8linear.backends.sm90.moe import (GroupedGemmPlan, expected_active, moe_plan,
+                                        slot_three_takes)
 from fp8linear.backends.sm90.tiles import GEMM_TILES, MOE_PREFILL_CONFIGS
 from fp8linear.moe import fused_moe, moe_reference
 from moe_cases import EDGE_COUNTS, experts, layer, topk_ids
@@ -51,7 +52,8 @@ def test_splits_fill_one_wave_with_two_k_blocks_a_split(model, m):
     e, k, h, i = MODELS[model]
     plan = moe_plan(m, k, e, h, i, 132)
     for g, n, kdim in ((plan.gate_up, 2 * i, h), (plan.down, h, i)):
-        assert g.ctas_per_sm == (2 if plan.token_tile <= 32 else 1)
+        assert g.ctas_per_sm == (2 if plan.token_tile <= 32 else 1) or (
+            plan.slot_tiles and g.ctas_per_sm == 3)  # (moe-slot-three)
         assert 1 <= g.splits <= max(1, -(-kdim // 128) // 2)
 
 
@@ -74,6 +76,40 @@ def test_one_token_runs_slot_tiles(model):
                                          unwindowed(sorted_plan.down, window=-1))
     assert not sorted_plan.slot_tiles and sorted_plan.gate_up.window == 4
     assert "moe-decode-window" in sorted_plan.rule and "moe-decode-window" not in plan.rule
+
+
+@pytest.mark.parametrize("model, m, gate_up, down", [
+    ("qwen3_30b_a3b", 1, 2, 2),    # 192 / 256 CTAs: one wave at two an SM
+    ("qwen3_30b_a3b", 2, 2, 2),
+    ("qwen3_30b_a3b", 3, 3, 3),    # 288 / 384: one wave at three, two at two
+    ("qwen3_30b_a3b", 4, 3, 2),    # 384 / 512: down two waves either way
+    ("qwen3_30b_a3b", 5, 2, 3),    # 480 / 640
+    ("qwen3_235b_a22b", 2, 3, 2),  # 384 / 512
+    ("deepseek_v3", 1, 2, 2),      # 56 K blocks: no room at three an SM
+])
+def test_slot_tiles_run_three_ctas_an_sm_where_that_takes_fewer_waves(model, m, gate_up, down):
+    e, k, h, i = MODELS[model]
+    plan = moe_plan(m, k, e, h, i, 132)
+    assert plan.slot_tiles and (plan.gate_up.ctas_per_sm, plan.down.ctas_per_sm) == (gate_up, down)
+    for g, n in ((plan.gate_up, 2 * i), (plan.down, h)):
+        ctas = -(-n // 128) * m * k * g.splits
+        assert (g.ctas_per_sm == 3) == (-(-ctas // 396) < -(-ctas // 264))
+
+
+def test_forced_ctas_are_checked():
+    from fp8linear.backends.sm90 import moe as sm90_moe
+    e, k, h, i = MODELS["qwen3_30b_a3b"]
+    with sm90_moe.forced(ctas=3, slot_tiles=True):  # small shapes: the kernel the rule takes
+        forced = sm90_moe._apply_forced(moe_plan(1, k, e, h, i, 132, True), h, i)
+        assert (forced.gate_up.ctas_per_sm, forced.down.ctas_per_sm) == (3, 3)
+    with sm90_moe.forced(ctas=3, slot_tiles=False), pytest.raises(ValueError, match="ctas=3"):
+        sm90_moe._apply_forced(moe_plan(64, k, e, h, i, 132, False), h, i)
+    with pytest.raises(ValueError, match="ctas must be 1, 2 or 3"):
+        with sm90_moe.forced(ctas=4):
+            pass
+    with sm90_moe.forced(slot_tiles=True):  # forced otherwise: the rule's CTAs an SM stay
+        plan = moe_plan(4, k, e, h, i, 132, True)
+        assert sm90_moe._apply_forced(plan, h, i).gate_up.ctas_per_sm == 3
 
 
 @pytest.mark.parametrize("model, m, window", [
@@ -104,8 +140,10 @@ def test_slot_tiles_while_expected_rereads_stay_under_30_mb(model, most):
     forced = moe_plan(4, k, e, h, i, 132, slot_tiles=True)
     assert forced.slot_tiles and not forced.prefill and forced.token_tile == 8
     want = max(1, min(2 * 132 // (-(-h // 128) * 4 * k), -(-i // 128) // 2))
-    # (moe-slot-kbs: <= 64 K blocks a split, Mixtral's 112 in two at least)
-    assert forced.down == GroupedGemmPlan(max(want, -(-i // 128 // 64)), 2)
+    # (moe-slot-kbs: <= 64 K blocks a split, Mixtral's 112 in two at least; moe-slot-three)
+    splits = max(want, -(-i // 128 // 64))
+    ctas = 3 if slot_three_takes(-(-h // 128) * 4 * k * splits, 132, -(-i // 128 // splits)) else 2
+    assert forced.down == GroupedGemmPlan(splits, ctas)
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -204,10 +242,12 @@ def test_fused_moe_matches_fp64(m, e, top_k, h, inter, routing, dtype, monkeypat
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ctas", [None, 3])  # (3: moe-slot-three's kernel on small shapes)
 @pytest.mark.parametrize("m,e,top_k,h,inter,routing,dtype,ids_dtype", SLOT_CASES)
-def test_slot_tiles_match_fp64(m, e, top_k, h, inter, routing, dtype, ids_dtype, monkeypatch):
+def test_slot_tiles_match_fp64(m, e, top_k, h, inter, routing, dtype, ids_dtype, ctas,
+                               monkeypatch):
     from fp8linear.backends.sm90 import moe as sm90_moe
-    with sm90_moe.forced(slot_tiles=True):
+    with sm90_moe.forced(slot_tiles=True, ctas=ctas):
         _check_case(m, e, top_k, h, inter, routing, dtype, monkeypatch, ids_dtype=ids_dtype)
 
 
@@ -353,6 +393,16 @@ def test_decode_window_leaves_the_output_bitwise(kernel, window):
     got = _bitwise_alike(args, plan, dict(plan, window=window))
     if kernel == "decode":  # (slot tiles: each GEMM against fp64, test_slot_tiles_match_fp64)
         assert R.rel_err(got, moe_reference(*args)) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,dtype", [(3, torch.bfloat16), (5, torch.float16)])
+def test_three_ctas_an_sm_leave_the_slot_tiles_bitwise(m, dtype):
+    # moe-slot-three's kernel quantizes its tokens 4 groups a batch, each its own scale: the
+    # same values as the two-CTA kernel's shared scales
+    gen = torch.Generator().manual_seed(m)
+    args = [t.cuda() for t in layer(gen, m, 16, 4, 1024, 512, dtype=dtype)]
+    _bitwise_alike(args, dict(slot_tiles=True, ctas=2), dict(slot_tiles=True, ctas=3))
 
 
 @pytest.mark.gpu
@@ -667,9 +717,13 @@ def test_grouped_entry_points_refuse_bad_arguments_before_launching():
     refused(r"grouped decode: slot tiles: M must be tokens x top_k",
             lambda: lib.grouped_slots(bf[:64], w, ws, out[:255], ids, 0, 512, 1, 2, False,
                                       False, False))
-    refused(r"grouped decode: ctas_per_sm must be 1 or 2",
-            lambda: lib.grouped_slots(bf[:16], w, ws, out[:64], ids[:16], 0, 128, 1, 3, False,
+    refused(r"grouped decode: ctas_per_sm must be 1, 2 or 3",
+            lambda: lib.grouped_slots(bf[:16], w, ws, out[:64], ids[:16], 0, 128, 1, 4, False,
                                       False, False))
+    # (three CTAs an SM: the slot tiles' kernel only)
+    refused(r"grouped decode: ctas_per_sm must be 1, or 2 with token tiles <= 32",
+            lambda: lib._decode_call(a, a_scale, w, ws, False, None, out, 0, 256, 0, 128, 1,
+                                     3, False, False, False, tiles))
     # (grouped_slots always passes config 0: the raw call, with the 32-token tile's config)
     refused(r"grouped decode: slot tiles run decode config 0",
             lambda: lib._decode_call(bf[:16], None, w, ws, False, None, out[:64], 0, 128, 2,
