@@ -201,9 +201,9 @@ def ctas_per_sm(token_tile: int) -> int:
 def slot_three_takes(ctas: int, sms: int, kbs: int) -> bool:
     """moe-slot-three: a slot-tile GEMM runs three CTAs an SM (288 threads, 72 registers)
     where that takes its CTAs in fewer waves than two an SM do, and a split's K blocks
-    (<= 32: its resident quantized tile beside 2 weight stages) fit a third of the SM
-    (Qwen3-30B-A3B 3 tokens 41.5 -> 31.6 us, 4 46.0 -> 42.2; at as many waves, and below two
-    CTAs an SM, the two-CTA kernel's deeper ring and 8-load batches win)."""
+    (<= 32: its 33 KB resident quantized tile beside 2 weight stages) fit a third of the SM
+    (Qwen3-30B-A3B 3 tokens 41.7 -> 31.7 us, 4 46.1 -> 42.0; at as many waves, and below two
+    CTAs an SM's one wave, the two-CTA kernel's deeper ring and 8-load batches win)."""
     return kbs <= SLOT_THREE_MAX_KBS and cdiv(ctas, 3 * sms) < cdiv(ctas, 2 * sms)
 
 
