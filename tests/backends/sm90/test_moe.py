@@ -398,8 +398,8 @@ def test_decode_window_leaves_the_output_bitwise(kernel, window):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,dtype", [(3, torch.bfloat16), (5, torch.float16)])
 def test_three_ctas_an_sm_leave_the_slot_tiles_bitwise(m, dtype):
-    # moe-slot-three's kernel quantizes its tokens 4 groups a batch, each its own scale: the
-    # same values as the two-CTA kernel's shared scales
+    # moe-slot-three's kernel quantizes its tokens 4 groups a batch (the two-CTA kernel 8):
+    # the same values, the same products
     gen = torch.Generator().manual_seed(m)
     args = [t.cuda() for t in layer(gen, m, 16, 4, 1024, 512, dtype=dtype)]
     _bitwise_alike(args, dict(slot_tiles=True, ctas=2), dict(slot_tiles=True, ctas=3))
