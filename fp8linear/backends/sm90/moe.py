@@ -162,7 +162,7 @@ def moe_plan(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int
             # blocks a split (DeepSeek-V3's 56 run unsplit, Mixtral's 112 in 4 splits anyway)
             splits = max(splits, cdiv(num_kb, SLOT_TILES_MAX_KBS))
             if slot_three_takes(cdiv(n, ROWS) * tiles * splits, sms, cdiv(num_kb, splits)):
-                return GroupedGemmPlan(splits, 3, window=window)
+                return GroupedGemmPlan(splits, 3, window=window)  # (moe-slot-three)
         return GroupedGemmPlan(splits, ctas, window=window)
 
     # moe-pdl: each grouped GEMM launches under PDL and streams its experts' weights while
@@ -328,18 +328,19 @@ def _apply_forced(plan: MoePlan, hidden: int, inter: int) -> MoePlan:
         config = DECODE_TILES.index(PREFILL_TILE)
     bt = DECODE_TILES[config]
     token_rows = _forced.get("token_rows", token_rows_takes(tile_route, hidden, bt))
-    ctas = _forced.get("ctas")
-    if (ctas == 3 and (prefill or not plan.slot_tiles)) or (ctas == 2 and bt > TWO_PER_SM_MAX_BT):
-        raise ValueError(f"ctas={ctas} runs slot tiles (3) or token tiles <= "
+    forced_ctas = _forced.get("ctas")
+    if ((forced_ctas == 3 and (prefill or not plan.slot_tiles))
+            or (forced_ctas == 2 and bt > TWO_PER_SM_MAX_BT)):
+        raise ValueError(f"ctas={forced_ctas} runs slot tiles (3) or token tiles <= "
                          f"{TWO_PER_SM_MAX_BT} (2), got token tile {bt}"
                          + (", the prefill kernel" if prefill else ""))
 
     def g(old: GroupedGemmPlan, k: int) -> GroupedGemmPlan:
         splits = min(_forced.get("splits", old.splits), cdiv(k, BLOCK))
         group_m = _forced.get("group_m", old.group_m)
-        # (the plan's CTAs an SM, moe-slot-three's included, unless the tile or forced)
-        ctas = _forced.get("ctas", old.ctas_per_sm if bt == plan.token_tile
-                           else ctas_per_sm(bt))
+        # (the plan's CTAs an SM, moe-slot-three's included, unless forced or the tile is)
+        ctas = (forced_ctas if forced_ctas is not None
+                else old.ctas_per_sm if bt == plan.token_tile else ctas_per_sm(bt))
         return GroupedGemmPlan(splits, ctas, group_m,
                                _forced.get("prefill_config", old.prefill_config),
                                _forced.get("window", decode_window(ctas, plan.slot_tiles)))

@@ -104,7 +104,14 @@ def test_forced_ctas_are_checked():
         assert (forced.gate_up.ctas_per_sm, forced.down.ctas_per_sm) == (3, 3)
     with sm90_moe.forced(ctas=3, slot_tiles=False), pytest.raises(ValueError, match="ctas=3"):
         sm90_moe._apply_forced(moe_plan(64, k, e, h, i, 132, False), h, i)
-    with pytest.raises(ValueError, match="ctas must be 1, 2 or 3"):
+    with sm90_moe.forced(ctas=2, token_tile=64), pytest.raises(
+            ValueError, match=r"^ctas=2 runs slot tiles \(3\) or token tiles <= 32 \(2\), "
+                              r"got token tile 64$"):
+        sm90_moe._apply_forced(moe_plan(64, k, e, h, i, 132, False), h, i)
+    with sm90_moe.forced(ctas=3, prefill=True), pytest.raises(
+            ValueError, match=r"got token tile 128, the prefill kernel$"):
+        sm90_moe._apply_forced(moe_plan(64, k, e, h, i, 132, False), h, i)
+    with pytest.raises(ValueError, match=r"^ctas must be 1, 2 or 3, got 4$"):
         with sm90_moe.forced(ctas=4):
             pass
     with sm90_moe.forced(slot_tiles=True):  # forced otherwise: the rule's CTAs an SM stay
