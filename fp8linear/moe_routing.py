@@ -15,9 +15,8 @@ A slot of expert id -1 (its expert held by another rank: expert parallelism) tak
 
 The torch functions here define each stage; a backend brings its own (``Stages``):
 backends/triton/moe.py has them as one kernel each, and a backend may fold SiLU-and-mul +
-quantization into gate_up's GEMM (``gate_up_silu_quant``: the sm90 prefill kernel), or the
-gather + quantization (``gate_up_from_tokens``: the sm90 decode kernel reading its rows'
-tokens).
+quantization into gate_up's GEMM (``gate_up_silu_quant``: the sm90 kernels), or the gather +
+quantization (``gate_up_reads_tokens``: the sm90 decode kernel reading its rows' tokens).
 
 The numerics are moe.py's (``moe_reference``): each row is computed on its own, so sorting
 and padding change no result.
@@ -130,12 +129,12 @@ class Stages:
     grouped_gemm: Callable   # (a, a_scale, w [E, N, K], w_scale, Routing, out, which) -> None
     silu_mul_quant: Callable  # (gate_up, Routing) -> (fp8 [R, I], scale [R, Ib], any strides)
     combine: Callable        # (y, Routing, topk_weights, out [M, H]) -> out
-    # gate_up's GEMM with silu_mul_quant in its epilogue, in place of the two (None: the two):
+    # gate_up's GEMM with silu_mul_quant after it, in place of the two (None: the two):
     # (a, a_scale, w13, w13_scale, Routing, dtype of x) -> silu_mul_quant's (fp8, scale)
     gate_up_silu_quant: Callable | None = None
-    # gate_up's GEMM reading the tokens' rows of x and quantizing them itself, in place of the
-    # gather and that GEMM (None: the two): (x, w13, w13_scale, Routing, out) -> None
-    gate_up_from_tokens: Callable | None = None
+    # gate_up's GEMM (grouped_gemm's which 0, or gate_up_silu_quant) reads the tokens' rows of
+    # x itself and quantizes them (a = x, a_scale None), in place of the gather
+    gate_up_reads_tokens: bool = False
 
 
 def sorted_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, token_tile: int,
@@ -145,16 +144,12 @@ def sorted_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, token_ti
     m, h = x.shape
     num_experts, two_i, _ = w13.shape
     r = stages.route(topk_ids, num_experts, token_tile)
+    a, a_scale = (x, None) if stages.gate_up_reads_tokens else stages.gather_quant(x, r)
     if stages.gate_up_silu_quant is not None:
-        xq, x_scale = stages.gather_quant(x, r)
-        hq, h_scale = stages.gate_up_silu_quant(xq, x_scale, w13, w13_scale, r, x.dtype)
+        hq, h_scale = stages.gate_up_silu_quant(a, a_scale, w13, w13_scale, r, x.dtype)
     else:
         gate_up = torch.empty(r.rows, two_i, dtype=x.dtype, device=x.device)
-        if stages.gate_up_from_tokens is not None:
-            stages.gate_up_from_tokens(x, w13, w13_scale, r, gate_up)
-        else:
-            xq, x_scale = stages.gather_quant(x, r)
-            stages.grouped_gemm(xq, x_scale, w13, w13_scale, r, gate_up, 0)
+        stages.grouped_gemm(a, a_scale, w13, w13_scale, r, gate_up, 0)
         hq, h_scale = stages.silu_mul_quant(gate_up, r)
     y = torch.empty(r.rows, h, dtype=x.dtype, device=x.device)
     stages.grouped_gemm(hq, h_scale, w2, w2_scale, r, y, 1)

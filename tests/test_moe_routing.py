@@ -158,3 +158,29 @@ def test_a_fused_gate_up_stage_replaces_the_gemm_and_silu_mul():
     got = sorted_moe(x, w13, s13, w2, s2, wts, ids, 32, fused)
     assert ran == [torch.bfloat16]
     assert torch.equal(got, moe_reference(x, w13, s13, w2, s2, wts, ids))
+
+
+def test_a_gate_up_reading_tokens_replaces_the_gather():
+    # Stages.gate_up_reads_tokens: gate_up's GEMM takes x itself (a_scale None) and quantizes
+    # its rows' tokens (row_token) itself; no gather runs, and the layer is the same
+    gen = torch.Generator().manual_seed(6)
+    m, k, e, h, inter = 20, 2, 8, 256, 256
+    x = torch.randn(m, h, generator=gen).to(torch.bfloat16)
+    w13, s13 = _experts(e, 2 * inter, h, gen)
+    w2, s2 = _experts(e, h, inter, gen)
+    ids, wts = _ids(m, k, e, gen, "random"), torch.softmax(torch.randn(m, k, generator=gen), 1)
+    st, took = reference.moe_stages(), []
+
+    def gemm(a, a_scale, w, w_scale, r, out, which):
+        took.append((which, a_scale is None and a is x))
+        if a_scale is None:
+            a, a_scale = st.gather_quant(a, r)
+        st.grouped_gemm(a, a_scale, w, w_scale, r, out, which)
+
+    def no_gather(x, r):
+        raise AssertionError("gate_up reads its tokens itself")
+    reads = dataclasses.replace(st, grouped_gemm=gemm, gather_quant=no_gather,
+                                gate_up_reads_tokens=True)
+    got = sorted_moe(x, w13, s13, w2, s2, wts, ids, 8, reads)
+    assert took == [(0, True), (1, False)]
+    assert torch.equal(got, moe_reference(x, w13, s13, w2, s2, wts, ids))

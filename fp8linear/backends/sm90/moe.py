@@ -366,17 +366,21 @@ def _grouped_gemm(plan: MoePlan):
 
     def run(a, a_scale, w, w_scale, r: Routing, out, which: int):
         _grouped_decode(plan, plan.gate_up if which == 0 else plan.down, a, a_scale, w,
-                        w_scale, r, out, r.ids if which == 0 and plan.tile_route else None)
+                        w_scale, r, out, which == 0)
     return run
 
 
 def _grouped_decode(plan: MoePlan, g: GroupedGemmPlan, a, a_scale, w, w_scale, r: Routing,
-                    out, ids=None, row_token=None) -> None:
-    """One grouped GEMM on the decode kernel over the routing's tiles (library.grouped)."""
+                    out, gate_up: bool) -> None:
+    """One grouped GEMM on the decode kernel over the routing's tiles (library.grouped):
+    gate_up finds its tiles' experts from the ids (moe-tile-route) and, given x's tokens
+    (a_scale None: moe-token-rows), reads its rows' tokens itself."""
     tiles = cdiv(w.shape[1], ROWS) * r.tile_expert.shape[0]
     library.load().grouped(a, a_scale, w, w_scale, out, r.tile_expert,
                            _partials(g, tiles, r.token_tile), tiles, plan.config, g.splits,
-                           g.ctas_per_sm, plan.pdl, g.window, ids, row_token)
+                           g.ctas_per_sm, plan.pdl, g.window,
+                           r.ids if gate_up and plan.tile_route else None,
+                           r.row_token if a_scale is None else None)
 
 
 def _partials(g: GroupedGemmPlan, tiles: int, token_tile: int) -> int:
@@ -444,13 +448,6 @@ def stages(plan: MoePlan) -> Stages:
     return Stages(functools.partial(route, **early),
                   functools.partial(triton_moe.gather_quant, **early), _grouped_gemm(plan),
                   triton_moe.silu_mul_quant, triton_moe.combine,
-                  _gate_up_silu_quant(plan) if plan.fused_act else None,
-                  _gate_up_from_tokens(plan) if plan.token_rows else None)
-
-
-def _gate_up_from_tokens(plan: MoePlan):
-    def run(x, w13, w13_scale, r: Routing, out):
-        _grouped_decode(plan, plan.gate_up, x, None, w13, w13_scale, r, out, r.ids, r.row_token)
-    return run
+                  _gate_up_silu_quant(plan) if plan.fused_act else None, plan.token_rows)
 
 

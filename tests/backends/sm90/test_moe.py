@@ -228,7 +228,10 @@ def _check_grouped(calls):
     for a, a_scale, w, w_scale, r, out in calls:
         rows = (r.row_token >= 0).nonzero().flatten().cpu()
         experts = r.tile_expert.cpu()[rows // r.token_tile].long().tolist()
-        a64 = R.dequant(a.cpu()[rows], a_scale.cpu()[rows])
+        if a_scale is None:  # (gate_up reading its rows' tokens, moe-token-rows: a is x)
+            a64 = R.dequant(*quantize_activation(a.cpu()[r.row_token.cpu()[rows]]))
+        else:
+            a64 = R.dequant(a.cpu()[rows], a_scale.cpu()[rows])
         hq, h_scale, out = out if isinstance(out, tuple) else (None, None, out)
         _assert_rows_match_fp64(a64, experts, w, w_scale, out.cpu()[rows])
         if hq is None:
@@ -269,6 +272,27 @@ def test_prefill_kernel_matches_fp64(m, e, top_k, h, inter, routing, dtype, fuse
     with sm90_moe.forced(prefill=True, fused_act=fused_act):
         _check_case(m, e, top_k, h, inter, routing, dtype, monkeypatch, prefill=True,
                     fused_act=fused_act)
+
+
+# the decode kernel's sorted tiles forced where the rules take slot tiles: 8-token tiles whose
+# gate_up reads its rows' tokens (moe-token-rows; most experts none, fp16), and past the
+# hidden size it takes (H = 2176: the gather)
+TOKEN_ROWS_CASES = [
+    (24, 32, 2, 256, 384, "few", torch.float16),
+    (40, 16, 4, 512, 256, "random", torch.bfloat16),
+    (64, 32, 4, 2176, 128, "random", torch.float16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,e,top_k,h,inter,routing,dtype", TOKEN_ROWS_CASES)
+def test_sorted_tiles_reading_tokens_match_fp64(m, e, top_k, h, inter, routing, dtype,
+                                                monkeypatch):
+    from fp8linear.backends.sm90 import moe as sm90_moe
+    with sm90_moe.forced(slot_tiles=False, token_tile=8):
+        assert (sm90_moe._apply_forced(moe_plan(m, top_k, e, h, inter, 132, False), h, inter)
+                .token_rows == (h <= sm90_moe.TOKEN_ROWS_MAX_HIDDEN))
+        _check_case(m, e, top_k, h, inter, routing, dtype, monkeypatch, prefill=False)
 
 
 def _check_slots(calls, x, ids, wts, out):
