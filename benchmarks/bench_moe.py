@@ -178,7 +178,8 @@ def forced_pieces(pieces: str) -> dict:
     kernel's tile), s<splits> (the decode kernel's K splits), w<window> (the decode kernel's
     weight stages in flight, 0: its whole ring), unfused (the prefill kernel's gate_up
     without its SiLU-and-mul epilogue), tileroute / notileroute (moe-tile-route), tokenrows /
-    notokenrows (moe-token-rows), k<ctas> (the decode kernel's CTAs an SM)."""
+    notokenrows (moe-token-rows), downroute / nodownroute (moe-down-route), k<ctas> (the
+    decode kernel's CTAs an SM)."""
     over = {}
     for piece in pieces.split("+"):
         if piece == "nopdl":
@@ -193,6 +194,8 @@ def forced_pieces(pieces: str) -> dict:
             over["tile_route"] = piece == "tileroute"
         elif piece in ("tokenrows", "notokenrows"):
             over["token_rows"] = piece == "tokenrows"
+        elif piece in ("downroute", "nodownroute"):
+            over["down_route"] = piece == "downroute"
         elif piece[:1] in ("t", "g", "c", "s", "w", "k") and piece[1:].isdigit():
             over[{"t": "token_tile", "g": "group_m", "c": "prefill_config",
                   "s": "splits", "w": "window", "k": "ctas"}[piece[0]]] = int(piece[1:])

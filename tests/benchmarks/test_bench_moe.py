@@ -44,6 +44,7 @@ def test_exploration_methods_force_the_plan_pieces_they_name():
     assert bench_moe.forced_pieces("sorted") == {"slot_tiles": False}
     assert bench_moe.forced_pieces("unfused") == {"fused_act": False}
     assert bench_moe.forced_pieces("g8") == {"group_m": 8}
+    assert bench_moe.forced_pieces("nodownroute+downroute") == {"down_route": True}
     assert bench_moe.forced_pieces("c14+unfused") == {"prefill_config": 14, "fused_act": False}
     assert bench_moe.forced_pieces("s2+t16") == {"splits": 2, "token_tile": 16}
     assert bench_moe.forced_pieces("w0+s2") == {"window": 0, "splits": 2}

@@ -28,7 +28,9 @@ overlaps the tail of the kernel before it: the layer is a chain of six dependent
 ``early_next`` (moe-tile-route: gate_up finds its tiles' experts from the ids, reading nothing
 of the routing before its own wait): the routing's first launch lets the next one launch
 right after its wait (so the kernel that wrote the ids is done), and the later ones, through
-the gather, at their start, so that gate_up streams its weights while they run.
+the gather, at their start, so that gate_up streams its weights while they run; SiLU-and-mul
+likewise lets down launch at its start (moe-down-route: down finds its tiles' experts from
+the ids too).
 """
 from __future__ import annotations
 
@@ -314,29 +316,32 @@ def pair_split(groups: int, rows: int, forced: int | None = None) -> tuple[int, 
 def _silu_mul_quant_kernel(x_ptr, slot_row_ptr, q_ptr, s_ptr, s_ld, SLOTS, D: tl.constexpr,
                            CG: tl.constexpr, GR: tl.constexpr, FP8_MAX_C: tl.constexpr,
                            EPS: tl.constexpr, ROUND_FIRST: tl.constexpr,
-                           USE_GDC: tl.constexpr):
+                           USE_GDC: tl.constexpr, EARLY_NEXT: tl.constexpr):
     # GR (slot, group) pairs a program: the sorted rows of GR // CG slots, CG groups each
     j = tl.arange(0, GR)
     slot = tl.program_id(0) * (GR // CG) + j // CG
     g = tl.program_id(1) * CG + j % CG
     live = (slot < SLOTS) & (g * 128 < D)
     cols = g[:, None] * 128 + tl.arange(0, 128)[None, :]
-    pdl_acquire(USE_GDC, False)
+    _enter(USE_GDC, EARLY_NEXT)
     row = tl.load(slot_row_ptr + slot, mask=live, other=-1)
     live = live & (row >= 0)  # (a slot held elsewhere has no row)
     mask = live[:, None] & (cols < D)
     a = tl.load(x_ptr + row[:, None] * (2 * D) + cols, mask=mask, other=0.0)
     b = tl.load(x_ptr + row[:, None] * (2 * D) + D + cols, mask=mask, other=0.0)
-    pdl_release(USE_GDC, False)
+    pdl_release(USE_GDC, EARLY_NEXT)
     q, s = quant_group(swiglu_quant.silu_mul(a, b).to(tl.float32), FP8_MAX_C, EPS, ROUND_FIRST)
     tl.store(q_ptr + row[:, None] * D + cols, q, mask=mask)
     tl.store(s_ptr + g.to(tl.int64) * s_ld + row, s, mask=live)
 
 
-def silu_mul_quant(gate_up: torch.Tensor, r: Routing, groups: int | None = None):
+def silu_mul_quant(gate_up: torch.Tensor, r: Routing, groups: int | None = None,
+                   early_next: bool = False):
     """SiLU-and-mul + quantization of the sorted rows that hold a token (slot_row; the
     numerics of fp8linear.swiglu_quant): (fp8 [R, I], scale [R, Ib] as a view of the
-    token-minor [Ib, ld]); the other rows are not written. ``groups``: as gather_quant's."""
+    token-minor [Ib, ld]); the other rows are not written. ``groups``: as gather_quant's;
+    ``early_next``: the next launch let go at the start (it reads nothing of ours before its
+    wait: moe-down-route)."""
     d = gate_up.shape[1] // 2
     q, scale_t, scale = sorted_buffers(r, d, gate_up.device)
     slots = r.slot_row.numel()
@@ -344,7 +349,7 @@ def silu_mul_quant(gate_up: torch.Tensor, r: Routing, groups: int | None = None)
     pdl = pdl_available(gate_up.device)
     _silu_mul_quant_kernel[(cdiv(slots, gr // cg), cdiv(cdiv(d, BLOCK), cg))](
         gate_up, r.slot_row, q, scale_t, scale_t.shape[1], slots, d, cg, gr, FP8_MAX, AMAX_EPS,
-        needs_round_first(gate_up.device), pdl, num_warps=4, launch_pdl=pdl)
+        needs_round_first(gate_up.device), pdl, early_next, num_warps=4, launch_pdl=pdl)
     return q, scale
 
 

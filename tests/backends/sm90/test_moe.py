@@ -446,17 +446,20 @@ def test_three_ctas_an_sm_leave_the_slot_tiles_bitwise(m, dtype):
     (40, 16, 4, 512, 256, "random", torch.int32, 0.5),    # slots held elsewhere (id -1)
 ])
 @pytest.mark.parametrize("piece, token_tile", [("tile_route", 8), ("tile_route", 32),
-                                               ("token_rows", 8), ("token_rows", 16)])
-def test_gate_up_routing_itself_leaves_the_output_bitwise(m, e, top_k, h, inter, routing,
-                                                          ids_dtype, away, piece, token_tile):
+                                               ("token_rows", 8), ("token_rows", 16),
+                                               ("down_route", 8), ("down_route", 64)])
+def test_gemms_routing_themselves_leave_the_output_bitwise(m, e, top_k, h, inter, routing,
+                                                           ids_dtype, away, piece, token_tile):
     # gate_up's CTAs find their tiles' experts from the ids as the routing places them
-    # (moe-tile-route), and their rows' tokens, quantized as the gather does (moe-token-rows):
-    # the same rows, products and sums
+    # (moe-tile-route), and their rows' tokens, quantized as the gather does (moe-token-rows);
+    # so do down's (moe-down-route, launched at SiLU-and-mul's start): the same rows, products
+    # and sums
     gen = torch.Generator().manual_seed(m + e)
     x, w13, s13, w2, s2, wts, ids = layer(gen, m, e, top_k, h, inter, routing)
     ids = ids.masked_fill(torch.rand(ids.shape, generator=gen) < away, -1).to(ids_dtype)
     args = [t.cuda() for t in (x, w13, s13, w2, s2, wts, ids)]
-    plan = dict(prefill=False, slot_tiles=False, token_tile=token_tile, token_rows=False)
+    plan = dict(prefill=False, slot_tiles=False, token_tile=token_tile, token_rows=False,
+                down_route=False)
     if piece == "token_rows":
         plan["tile_route"] = True
     got = _bitwise_alike(args, dict(plan, **{piece: False}), dict(plan, **{piece: True}))
@@ -545,14 +548,22 @@ def test_forced_pieces_are_checked_and_restored():
         plan = sm90_moe._apply_forced(moe_plan(16, 8, 128, 2048, 768, 132), 2048, 768)
         assert plan.tile_route and not plan.token_rows
     plan = sm90_moe._apply_forced(moe_plan(16, 8, 128, 2048, 768, 132), 2048, 768)
-    assert plan.token_rows  # (the rule's, as for the plan)
-    for pieces, kernel in ((dict(prefill=True), "prefill kernel"),
-                           (dict(slot_tiles=True), "slot tiles")):
-        with pytest.raises(ValueError, match=r"^tile_route=True runs the decode kernel's sorted "
-                                             rf"tiles, got the {kernel}$"):
-            with sm90_moe.forced(tile_route=True, **pieces):
-                plan = moe_plan(16, 8, 128, 2048, 768, 132, sm90_moe._forced.get("slot_tiles"))
-                sm90_moe._apply_forced(plan, 2048, 768)
+    assert plan.token_rows and plan.down_route  # (the rules', as for the plan)
+    with sm90_moe.forced(down_route=False):
+        plan = sm90_moe._apply_forced(moe_plan(16, 8, 128, 2048, 768, 132), 2048, 768)
+        assert plan.tile_route and not plan.down_route
+    with sm90_moe.forced(prefill=True):  # (the rule's for the kernel forced)
+        assert not sm90_moe._apply_forced(moe_plan(16, 8, 128, 2048, 768, 132), 2048,
+                                          768).down_route
+    for piece in ("tile_route", "down_route"):
+        for pieces, kernel in ((dict(prefill=True), "prefill kernel"),
+                               (dict(slot_tiles=True), "slot tiles")):
+            with pytest.raises(ValueError, match=rf"^{piece}=True runs the decode kernel's "
+                                                 rf"sorted tiles, got the {kernel}$"):
+                with sm90_moe.forced(**{piece: True}, **pieces):
+                    plan = moe_plan(16, 8, 128, 2048, 768, 132,
+                                    sm90_moe._forced.get("slot_tiles"))
+                    sm90_moe._apply_forced(plan, 2048, 768)
     with sm90_moe.forced(prefill=True):
         plan = sm90_moe._apply_forced(moe_plan(2, 8, 128, 2048, 768, 132), 2048, 768)
         assert (plan.prefill, plan.token_tile) == (True, 128)
@@ -600,6 +611,14 @@ def test_sorted_decode_tiles_route_their_own_experts(model, m):
     plan = moe_plan(m, k, e, h, i, 132)
     assert plan.tile_route == (not plan.prefill and not plan.slot_tiles)
     assert ("moe-tile-route" in plan.rule) == plan.tile_route
+    # moe-down-route: down's too, SiLU-and-mul letting it launch at its start
+    assert plan.down_route == plan.tile_route
+    assert ("moe-down-route" in plan.rule) == plan.down_route
+    from fp8linear.backends.sm90 import moe as sm90_moe
+    from fp8linear.backends.triton import moe as triton_moe
+    silu = sm90_moe.stages(plan).silu_mul_quant
+    assert silu.func is triton_moe.silu_mul_quant
+    assert silu.keywords == {"early_next": plan.down_route}
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
