@@ -382,23 +382,18 @@ def _grouped_gemm(plan: MoePlan):
                                            config=g.prefill_config)
         return prefill
 
-    def run(a, a_scale, w, w_scale, r: Routing, out, which: int):
-        _grouped_decode(plan, plan.gate_up if which == 0 else plan.down, a, a_scale, w,
-                        w_scale, r, out, which == 0)
-    return run
-
-
-def _grouped_decode(plan: MoePlan, g: GroupedGemmPlan, a, a_scale, w, w_scale, r: Routing,
-                    out, gate_up: bool) -> None:
-    """One grouped GEMM on the decode kernel over the routing's tiles (library.grouped):
-    gate_up finds its tiles' experts from the ids (moe-tile-route) and, given x's tokens
-    (a_scale None: moe-token-rows), reads its rows' tokens itself."""
-    tiles = cdiv(w.shape[1], ROWS) * r.tile_expert.shape[0]
-    library.load().grouped(a, a_scale, w, w_scale, out, r.tile_expert,
-                           _partials(g, tiles, r.token_tile), tiles, plan.config, g.splits,
-                           g.ctas_per_sm, plan.pdl, g.window,
-                           r.ids if (plan.tile_route if gate_up else plan.down_route) else None,
-                           r.row_token if a_scale is None else None)
+    def decode(a, a_scale, w, w_scale, r: Routing, out, which: int):
+        # the decode kernel over the routing's tiles: each GEMM's first wave finds its tiles'
+        # experts from the ids (moe-tile-route, moe-down-route), and gate_up, given x's tokens
+        # (a_scale None: moe-token-rows), reads its rows' tokens itself
+        g = plan.gate_up if which == 0 else plan.down
+        tiles = cdiv(w.shape[1], ROWS) * r.tile_expert.shape[0]
+        ids = r.ids if (plan.tile_route if which == 0 else plan.down_route) else None
+        library.load().grouped(a, a_scale, w, w_scale, out, r.tile_expert,
+                               _partials(g, tiles, r.token_tile), tiles, plan.config, g.splits,
+                               g.ctas_per_sm, plan.pdl, g.window, ids,
+                               r.row_token if a_scale is None else None)
+    return decode
 
 
 def _partials(g: GroupedGemmPlan, tiles: int, token_tile: int) -> int:
