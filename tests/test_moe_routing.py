@@ -130,15 +130,22 @@ def test_sorted_pipeline_is_moe_reference_bit_for_bit(m, k, e, h, inter, tile, r
     assert torch.equal(got, moe_reference(x, w13, s13, w2, s2, wts, ids))
 
 
-def test_a_fused_gate_up_stage_replaces_the_gemm_and_silu_mul():
-    # Stages.gate_up_silu_quant (a backend's gate_up GEMM with SiLU-and-mul + quantization in
-    # its epilogue) runs in place of gate_up's grouped GEMM and the silu_mul_quant stage
-    gen = torch.Generator().manual_seed(5)
+def _small_layer(seed: int):
+    """(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids): 20 bf16 tokens, 8 experts,
+    top-2, hidden and intermediate 256."""
+    gen = torch.Generator().manual_seed(seed)
     m, k, e, h, inter = 20, 2, 8, 256, 256
     x = torch.randn(m, h, generator=gen).to(torch.bfloat16)
     w13, s13 = _experts(e, 2 * inter, h, gen)
     w2, s2 = _experts(e, h, inter, gen)
     ids, wts = _ids(m, k, e, gen, "random"), torch.softmax(torch.randn(m, k, generator=gen), 1)
+    return x, w13, s13, w2, s2, wts, ids
+
+
+def test_a_fused_gate_up_stage_replaces_the_gemm_and_silu_mul():
+    # Stages.gate_up_silu_quant (a backend's gate_up GEMM with SiLU-and-mul + quantization in
+    # its epilogue) runs in place of gate_up's grouped GEMM and the silu_mul_quant stage
+    args = _small_layer(5)
     st, ran = reference.moe_stages(), []
 
     def gate_up_silu_quant(a, a_scale, w, w_scale, r, dtype):
@@ -155,20 +162,16 @@ def test_a_fused_gate_up_stage_replaces_the_gemm_and_silu_mul():
         raise AssertionError("the fused stage took its place")
     fused = dataclasses.replace(st, grouped_gemm=down_only, silu_mul_quant=no_silu,
                                 gate_up_silu_quant=gate_up_silu_quant)
-    got = sorted_moe(x, w13, s13, w2, s2, wts, ids, 32, fused)
+    got = sorted_moe(*args, 32, fused)
     assert ran == [torch.bfloat16]
-    assert torch.equal(got, moe_reference(x, w13, s13, w2, s2, wts, ids))
+    assert torch.equal(got, moe_reference(*args))
 
 
 def test_a_gate_up_reading_tokens_replaces_the_gather():
     # Stages.gate_up_reads_tokens: gate_up's GEMM takes x itself (a_scale None) and quantizes
     # its rows' tokens (row_token) itself; no gather runs, and the layer is the same
-    gen = torch.Generator().manual_seed(6)
-    m, k, e, h, inter = 20, 2, 8, 256, 256
-    x = torch.randn(m, h, generator=gen).to(torch.bfloat16)
-    w13, s13 = _experts(e, 2 * inter, h, gen)
-    w2, s2 = _experts(e, h, inter, gen)
-    ids, wts = _ids(m, k, e, gen, "random"), torch.softmax(torch.randn(m, k, generator=gen), 1)
+    args = _small_layer(6)
+    x = args[0]
     st, took = reference.moe_stages(), []
 
     def gemm(a, a_scale, w, w_scale, r, out, which):
@@ -181,6 +184,6 @@ def test_a_gate_up_reading_tokens_replaces_the_gather():
         raise AssertionError("gate_up reads its tokens itself")
     reads = dataclasses.replace(st, grouped_gemm=gemm, gather_quant=no_gather,
                                 gate_up_reads_tokens=True)
-    got = sorted_moe(x, w13, s13, w2, s2, wts, ids, 8, reads)
+    got = sorted_moe(*args, 8, reads)
     assert took == [(0, True), (1, False)]
-    assert torch.equal(got, moe_reference(x, w13, s13, w2, s2, wts, ids))
+    assert torch.equal(got, moe_reference(*args))
