@@ -15,8 +15,9 @@ A slot of expert id -1 (its expert held by another rank: expert parallelism) tak
 
 The torch functions here define each stage; a backend brings its own (``Stages``):
 backends/triton/moe.py has them as one kernel each, and a backend may fold SiLU-and-mul +
-quantization into gate_up's GEMM (``gate_up_silu_quant``: the sm90 kernels), or the gather +
-quantization (``gate_up_reads_tokens``: the sm90 decode kernel reading its rows' tokens).
+quantization into gate_up's GEMM (``gate_up_silu_quant``: the sm90 prefill kernel), or the
+gather + quantization (``gate_up_reads_tokens``: the sm90 decode kernel reading its rows'
+tokens).
 
 The numerics are moe.py's (``moe_reference``): each row is computed on its own, so sorting
 and padding change no result.
@@ -129,7 +130,7 @@ class Stages:
     grouped_gemm: Callable   # (a, a_scale, w [E, N, K], w_scale, Routing, out, which) -> None
     silu_mul_quant: Callable  # (gate_up, Routing) -> (fp8 [R, I], scale [R, Ib], any strides)
     combine: Callable        # (y, Routing, topk_weights, out [M, H]) -> out
-    # gate_up's GEMM with silu_mul_quant after it, in place of the two (None: the two):
+    # gate_up's GEMM with silu_mul_quant in its epilogue, in place of the two (None: the two):
     # (a, a_scale, w13, w13_scale, Routing, dtype of x) -> silu_mul_quant's (fp8, scale)
     gate_up_silu_quant: Callable | None = None
     # gate_up's GEMM (grouped_gemm's which 0, or gate_up_silu_quant) reads the tokens' rows of
