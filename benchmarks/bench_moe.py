@@ -155,11 +155,11 @@ def make_call(method, x, w13, s13, w2, s2, routes, deepgemm=None):
     if method == "fp8linear_moe":
         return lambda i: fp8linear.fused_moe(x, w13, s13, w2, s2, routes[i][1], routes[i][0])
     if method.startswith("fp8linear_moe@"):  # a plan piece forced (exploration)
-        from fp8linear.backends.sm90 import moe as sm90_moe
+        from fp8linear.backends.sm90 import moe_plan
         over = forced_pieces(method.split("@")[1])
 
         def call(i):
-            with sm90_moe.forced(**over):
+            with moe_plan.forced(**over):
                 return fp8linear.fused_moe(x, w13, s13, w2, s2, routes[i][1], routes[i][0])
         return call
     if method == "vllm_deepgemm_moe":
@@ -173,7 +173,7 @@ def make_call(method, x, w13, s13, w2, s2, routes, deepgemm=None):
 
 
 def forced_pieces(pieces: str) -> dict:
-    """The plan pieces an exploration method forces (backends/sm90/moe.py ``forced``), joined
+    """The plan pieces an exploration method forces (backends/sm90/moe_plan.py ``forced``), joined
     by "+": t<tile>, nopdl, prefill / decode, slots / sorted, g<band>, c<config> (the prefill
     kernel's tile), s<splits> (the decode kernel's K splits), w<window> (the decode kernel's
     weight stages in flight, 0: its whole ring), unfused (the prefill kernel's gate_up

@@ -41,7 +41,7 @@ class Routing:
     row_token: torch.Tensor    # int64 [max_tiles * token_tile]: source token, -1: padding
     slot_row: torch.Tensor     # int64 [M, top_k]: the sorted row of each (token, slot), -1: none
     ids: torch.Tensor          # [M, top_k]: the expert ids sorted (a grouped GEMM may find its
-                               # tiles' experts from them: backends/sm90/moe.py moe-tile-route)
+                               # tiles' experts from them: backends/sm90/moe_plan.py moe-tile-route)
 
     @property
     def rows(self) -> int:

@@ -36,7 +36,7 @@ def test_summary_adds_the_ratio_of_methods_run_alone_where_sustained_timed_them(
 
 
 def test_exploration_methods_force_the_plan_pieces_they_name():
-    from fp8linear.backends.sm90 import moe as sm90_moe
+    from fp8linear.backends.sm90 import moe_plan
     assert bench_moe.forced_pieces("t64") == {"token_tile": 64}
     assert bench_moe.forced_pieces("nopdl") == {"pdl": False}
     assert bench_moe.forced_pieces("decode") == {"prefill": False}
@@ -56,5 +56,5 @@ def test_exploration_methods_force_the_plan_pieces_they_name():
     # each one forced() takes
     for piece in ("t64", "nopdl", "prefill", "slots", "sorted", "g8", "c14+unfused", "s2",
                   "slots+k3"):
-        with sm90_moe.forced(**bench_moe.forced_pieces(piece)):
-            assert sm90_moe._forced
+        with moe_plan.forced(**bench_moe.forced_pieces(piece)):
+            assert moe_plan._forced

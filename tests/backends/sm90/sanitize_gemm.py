@@ -43,7 +43,7 @@ if ROOT not in sys.path:
 
 import fp8linear  # noqa: E402
 from fp8linear import knobs  # noqa: E402
-from fp8linear.backends.sm90 import moe as sm90_moe  # noqa: E402
+from fp8linear.backends.sm90 import moe_plan  # noqa: E402
 from fp8linear.backends.sm90 import plan as sm90_plan  # noqa: E402
 from fp8linear.backends.sm90.tiles import GEMM_TILES  # noqa: E402
 
@@ -59,7 +59,7 @@ CASES = [
     (1000, 392, 1040, False, torch.bfloat16, False), # large-M path, several tiles
 ]
 # MoE layers (M, experts, top_k, hidden, intermediate, dtype[, MoE plan pieces forced:
-# backends.sm90.moe.forced]), checked against moe_reference
+# backends.sm90.moe_plan.forced]), checked against moe_reference
 MOE_CASES = [
     (1, 16, 4, 1024, 256, torch.float16),    # one token: slot tiles, split K
     (5, 16, 4, 208, 256, torch.float16),
@@ -148,7 +148,7 @@ def run_moe_case(i, m, e, top_k, h, inter, dtype, forced=None, dev="cuda"):
     ids = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(m)])
     wts = torch.softmax(torch.randn(m, top_k, generator=g), 1)
     ref = fp8linear.moe_reference(x, *experts, wts, ids).double()
-    with sm90_moe.forced(**(forced or {})):
+    with moe_plan.forced(**(forced or {})):
         out = fp8linear.fused_moe(x.to(dev), *(t.to(dev) for t in experts), wts.to(dev),
                                   ids.to(dev)).double().cpu()
     if not torch.isfinite(out).all():

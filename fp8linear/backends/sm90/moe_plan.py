@@ -1,0 +1,361 @@
+"""The Hopper MoE layer's plans (backends/sm90/moe.py runs them): the token tile, each
+grouped GEMM's kernel, K splits and CTAs an SM, and which launches fold into which.
+
+``choose`` picks them by ordered rules (ids and reasons below, measurements in
+docs/tuning.md), from the shapes alone: routing is not known on the host, so the rules size for
+uniformly routed tokens. ``forced(...)`` overrides parts of a plan for benchmarks and tests
+(``for_call`` applies them; never read from the environment).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+
+from ...quant import BLOCK, cdiv
+from .plan import DECODE_TWO_PER_SM_MAX_BT as TWO_PER_SM_MAX_BT
+from .tiles import DECODE_TILES, GEMM_TILES, MOE_PREFILL_CONFIG, MOE_PREFILL_CONFIGS
+
+ROWS = 128  # weight rows a CTA owns (moe.cu instantiates 128-row CTAs only)
+# the prefill kernel's tile: its token tile and the output columns a tile covers
+PREFILL_TILE, PREFILL_TILE_N = GEMM_TILES[MOE_PREFILL_CONFIG].bm, GEMM_TILES[MOE_PREFILL_CONFIG].bn
+TILE_2X_MIN_HIDDEN = 4096
+TILE_2X_MIN_TOKENS = 16
+PREFILL_MIN_TOKENS = 32
+PREFILL_MIN_TOKENS_WIDE = 24  # hidden >= TILE_2X_MIN_HIDDEN
+PREFILL_PAIRS_MIN_TOKENS = 128
+# the pairs' tile (moe-prefill-pairs): 128x192 in pairs along M
+PREFILL_PAIRS_CONFIG = next(c for c in MOE_PREFILL_CONFIGS
+                            if GEMM_TILES[c].cluster == 2 and GEMM_TILES[c].bn == 192)
+PREFILL_BAND = 4
+PREFILL_BAND_MIN_BYTES = 64 << 20
+PARALLEL_ROUTE_MIN_SLOTS = 256
+FUSED_ACT_MAX_HIDDEN = 4096
+SLOT_TILES_MAX_REREAD_BYTES = 30e6
+SLOT_TILES_MAX_KBS = 64
+SLOT_THREE_MAX_KBS = 32  # moe-slot-three
+SORTED_WINDOW = 4  # moe-decode-window
+TOKEN_ROWS_MAX_HIDDEN = 2048  # moe-token-rows
+
+
+@dataclass(frozen=True)
+class GroupedGemmPlan:
+    splits: int       # K ranges, reduced in split order (deterministic); 1 for the prefill kernel
+    ctas_per_sm: int  # 1, or 2 (token tiles <= 32)
+    group_m: int = 1  # the prefill kernel's tile order: M blocks a band walks per N block
+    prefill_config: int = MOE_PREFILL_CONFIG  # the prefill kernel's tile (GEMM_TILES index)
+    window: int = -1  # the decode kernel's weight stages in flight: -1 its rule, 0 the ring
+
+
+@dataclass(frozen=True)
+class MoePlan:
+    config: int              # token tile DECODE_TILES[config]
+    gate_up: GroupedGemmPlan
+    down: GroupedGemmPlan
+    pdl: bool = True         # moe-pdl: the GEMMs stream their weights under the kernel before
+    prefill: bool = False    # moe-prefill: both GEMMs on the persistent large-M kernel
+    parallel_route: bool = False  # moe-route-parallel: routing in three parallel launches
+    slot_tiles: bool = False      # moe-slot-tiles: no routing, a tile a (token, slot) pair
+    fused_act: bool = False       # moe-prefill-fused-act: SiLU-and-mul + quant in gate_up
+    tile_route: bool = False      # moe-tile-route: gate_up finds its tiles' experts from the ids
+    token_rows: bool = False      # moe-token-rows: gate_up reads the tokens' rows (no gather)
+    down_route: bool = False      # moe-down-route: down finds its tiles' experts from the ids
+    rule: str = dataclasses.field(default="", compare=False)
+
+    @property
+    def token_tile(self) -> int:
+        return DECODE_TILES[self.config]
+
+
+def expected_active(slots: int, experts: int) -> float:
+    """Experts that uniformly random routing of ``slots`` (token, slot) pairs touches."""
+    return experts * (1.0 - (1.0 - 1.0 / experts) ** slots)
+
+
+@functools.lru_cache(maxsize=4096)
+def choose(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int,
+           slot_tiles: bool | None = None) -> MoePlan:
+    """The plan by the rules (``slot_tiles`` forces moe-slot-tiles on or off: ``forced``)."""
+    slots = m * top_k
+    active = expected_active(slots, experts)
+    # moe-token-tile: the smallest tile that holds an active expert's expected tokens, so
+    # that few tokens an expert pad no tensor-core work up to 64 rows (128 at most)
+    per_expert = math.ceil(slots / active - 1e-3)
+    want, rule = per_expert, "moe-token-tile"
+    if hidden >= TILE_2X_MIN_HIDDEN and per_expert >= TILE_2X_MIN_TOKENS:
+        # moe-token-tile-2x: wide experts with >= 16 tokens each take a tile of twice that,
+        # so that the experts routed more than the mean still stream their weights once
+        want, rule = 2 * per_expert, "moe-token-tile-2x"
+    elif hidden < TILE_2X_MIN_HIDDEN:
+        # moe-token-tile-spread: narrower experts take a tile that holds one standard
+        # deviation of an expert's tokens (sqrt of the mean) above the mean, so that few of
+        # them stream their weights twice (Qwen3-30B-A3B at 16 an expert: 32-token tiles 6%
+        # faster; at 12, 16-token tiles 5% faster than 32)
+        want, rule = per_expert + math.sqrt(per_expert), "moe-token-tile-spread"
+    # moe-slot-tiles: a tile a (token, slot) pair, no routing: the route, gather and
+    # SiLU-and-mul launches go (~7 us; gate_up reads the token's row, down its pair's gate_up
+    # row, each quantizing in the kernel), but pairs of the same expert read its weights
+    # again. One token (its k experts are distinct), or where the expected rereads (pairs
+    # beyond the active experts, 3 * H * I bytes each) are <= 30 MB (measured: 27 MB gains,
+    # 37-40 MB lose)
+    if slot_tiles is None:
+        slot_tiles = m == 1 or (slots - active) * 3 * hidden * inter <= SLOT_TILES_MAX_REREAD_BYTES
+    if slot_tiles:
+        want, rule = DECODE_TILES[0], "moe-slot-tiles"
+    # moe-prefill: from 32 expected tokens an active expert (24 for hidden >= 4096),
+    # 128-token tiles on the persistent large-M kernel: its deep pipeline and one wave of
+    # CTAs walking all the experts' tiles beat the decode kernel's one-tile CTAs, padding
+    # included (measured 4-37% faster there; below, the padding loses)
+    min_tokens = PREFILL_MIN_TOKENS_WIDE if hidden >= TILE_2X_MIN_HIDDEN else PREFILL_MIN_TOKENS
+    prefill = not slot_tiles and per_expert >= min_tokens and prefill_takes(hidden, inter)
+    if prefill:
+        want, rule = PREFILL_TILE, "moe-prefill"
+    config = next((i for i, t in enumerate(DECODE_TILES) if t >= want), len(DECODE_TILES) - 1)
+    bt = DECODE_TILES[config]
+    tiles = slots if slot_tiles else active * cdiv(per_expert, bt)
+
+    # moe-prefill-band: experts whose gate_up weights pass the L2 by far, with >= 2 token
+    # tiles each: the prefill kernel walks bands of 4 M blocks an N block, so that the CTAs
+    # running together share an expert's weight tiles in L2 instead of each M block
+    # streaming them from DRAM again (Mixtral from 1024 tokens 4-6% faster; experts of one
+    # tile lose with bands: theirs hold other experts' tiles)
+    band = (PREFILL_BAND if prefill and 2 * inter * hidden >= PREFILL_BAND_MIN_BYTES
+            and per_expert >= 2 * PREFILL_TILE else 1)
+    if band > 1:
+        rule += "+moe-prefill-band"
+    # moe-prefill-pairs: from 128 expected tokens an expert (a whole M tile each: the layer
+    # near compute-bound), 128x192 tiles in pairs along M multicasting the weight tile: 42%
+    # fewer L2 bytes a FLOP, and the power cap then holds a higher clock (alone at the cap
+    # 4-11% faster at 4096 tokens, level on Qwen3-30B-A3B; below, an expert's tile or two
+    # rarely share a pair, and they lose 1-2%)
+    pairs = prefill and per_expert >= PREFILL_PAIRS_MIN_TOKENS
+    tile = PREFILL_PAIRS_CONFIG if pairs else MOE_PREFILL_CONFIG
+    if pairs:
+        rule += "+moe-prefill-pairs"
+    ctas = ctas_per_sm(bt)
+    window = decode_window(ctas, slot_tiles)
+
+    def gemm(n: int, k: int) -> GroupedGemmPlan:
+        if prefill:  # (the persistent kernel walks whole K: nothing to split)
+            return GroupedGemmPlan(1, 1, band, tile)
+        # moe-split-fill: split K until the expected CTAs fill the SMs' slots in one wave,
+        # keeping >= 2 K blocks a split (the reduction pass costs more below that)
+        num_kb = cdiv(k, BLOCK)
+        grid = max(1.0, cdiv(n, ROWS) * tiles)
+        splits = max(1, min(int(ctas * sms // grid), num_kb // 2))
+        if slot_tiles:
+            # moe-slot-kbs: a CTA's quantized token slice (1 KB a K block) stays resident
+            # beside >= 2 weight stages (16 KB each) in two CTAs' share of an SM: <= 64 K
+            # blocks a split (DeepSeek-V3's 56 run unsplit, Mixtral's 112 in 4 splits anyway)
+            splits = max(splits, cdiv(num_kb, SLOT_TILES_MAX_KBS))
+            if slot_three_takes(cdiv(n, ROWS) * tiles * splits, sms, cdiv(num_kb, splits)):
+                return GroupedGemmPlan(splits, 3, window=window)  # (moe-slot-three)
+        return GroupedGemmPlan(splits, ctas, window=window)
+
+    # moe-pdl: each grouped GEMM launches under PDL and streams its experts' weights while
+    # the kernel before it (gather + quant, SiLU-and-mul + quant) runs: the routing that chose
+    # the experts (tile_expert) finished before that kernel let the GEMM launch (its programs
+    # trigger after their griddepcontrol.wait). It reads its activations after its own wait.
+    # (Slot tiles: gate_up reads the ids after its wait, down before.)
+    # moe-route-parallel: from 256 (token, slot) pairs, the routing's three parallel
+    # launches (count, scan, place) instead of the one-program route, whose serial walk over
+    # the slots grows with them (measured crossover 128-512)
+    parallel = slots >= PARALLEL_ROUTE_MIN_SLOTS
+    rule += "+moe-pdl" if prefill else "+moe-split-fill+moe-pdl"
+    if not prefill and window > 0:
+        rule += "+moe-decode-window"
+    # moe-prefill-fused-act: hidden <= 4096 on 128-column tiles, the prefill kernel's gate_up
+    # writes h = SiLU(gate) * up quantized (its epilogue), not gate_up in x's dtype for a
+    # SiLU-and-mul launch to read back (measured 1-5% faster at hidden 2048 to 2048 tokens,
+    # level at 4096; level or slower at 7168, whose longer K loops make the stage it saves
+    # weigh less than its epilogue)
+    fused_act = prefill and fused_act_takes(hidden, tile)
+    rule += "+moe-prefill-fused-act" if fused_act else ""
+    tile_route = tile_route_takes(prefill, slot_tiles)
+    rule += "+moe-tile-route" if tile_route else ""
+    token_rows = token_rows_takes(tile_route, hidden, bt)
+    rule += "+moe-token-rows" if token_rows else ""
+    down_route = down_route_takes(prefill, slot_tiles)
+    rule += "+moe-down-route" if down_route else ""
+    return MoePlan(config, gemm(2 * inter, hidden), gemm(hidden, inter), True, prefill,
+                   parallel, slot_tiles, fused_act, tile_route, token_rows, down_route,
+                   rule + ("+moe-route-parallel" if parallel else ""))
+
+
+def ctas_per_sm(token_tile: int) -> int:
+    """The decode kernel's CTAs an SM at a token tile: two for tiles <= 32 (moe.cu)."""
+    return 2 if token_tile <= TWO_PER_SM_MAX_BT else 1
+
+
+def slot_three_takes(ctas: int, sms: int, kbs: int) -> bool:
+    """moe-slot-three: a slot-tile GEMM runs three CTAs an SM (288 threads, 72 registers)
+    where that takes its CTAs in fewer waves than two an SM do, and a split's K blocks
+    (<= 32: its 33 KB resident quantized tile beside 2 weight stages) fit a third of the SM
+    (Qwen3-30B-A3B 3 tokens 41.7 -> 31.7 us, 4 46.1 -> 42.0; at as many waves, and below two
+    CTAs an SM's one wave, the two-CTA kernel's deeper ring and 8-load batches win)."""
+    return kbs <= SLOT_THREE_MAX_KBS and cdiv(ctas, 3 * sms) < cdiv(ctas, 2 * sms)
+
+
+def decode_window(ctas: int, slot_tiles: bool) -> int:
+    """moe-decode-window: sorted tiles two CTAs an SM keep 4 weight stages in flight a CTA,
+    not the dense decode's 2 (its activations wait behind queued weights; here the weight
+    stream is the layer: 1-2% faster); slot tiles keep the kernel's 2 (4: M = 1 slower).
+    -1: the kernel's rule."""
+    return SORTED_WINDOW if ctas == 2 and not slot_tiles else -1
+
+
+def tile_route_takes(prefill: bool, slot_tiles: bool) -> bool:
+    """moe-tile-route: the decode kernel's sorted tiles (the layer with a routing, not the
+    prefill kernel's): gate_up's first-wave CTAs count the ids' slots an expert and find their
+    tile's expert themselves, so the routing's completion no longer gates gate_up's weight
+    stream (the layer waited 5-9 us for the routing at few tokens an expert; this takes ~2)."""
+    return not prefill and not slot_tiles
+
+
+def down_route_takes(prefill: bool, slot_tiles: bool) -> bool:
+    """moe-down-route: the decode kernel's sorted tiles: down's first-wave CTAs find their
+    tiles' experts from the ids too, and the SiLU-and-mul launch lets down launch at its start,
+    so that down's weights stream while gate_up's last CTAs and SiLU-and-mul run, not after
+    (Qwen3-30B-A3B 8 tokens 74.0 -> 70.7 us, 16-256 0.7-2.0% faster; the others level to
+    1.8%)."""
+    return not prefill and not slot_tiles
+
+
+def token_rows_takes(tile_route: bool, hidden: int, token_tile: int) -> bool:
+    """moe-token-rows: under moe-tile-route, gate_up over 8-token tiles of experts of hidden
+    <= 2048 reads its rows' tokens (bf16/fp16) and quantizes them itself, so no gather launch
+    sits between the routing and gate_up (Qwen3-30B-A3B 8-64 tokens 2.8-3.8% faster). Wider
+    experts lose or stay level: every row-block CTA of a tile quantizes its tokens again, and
+    the resident quantized tiles leave fewer weight stages (Qwen3-235B -0.9 to +1.4%,
+    DeepSeek-V3 -1.4 to +0.2%, Mixtral 2-7% slower)."""
+    return tile_route and hidden <= TOKEN_ROWS_MAX_HIDDEN and token_tile == DECODE_TILES[0]
+
+
+def prefill_takes(hidden: int, inter: int) -> bool:
+    """Whether the prefill kernel takes both GEMMs: whole 128-column tiles of outputs."""
+    return hidden % PREFILL_TILE_N == 0 and 2 * inter % PREFILL_TILE_N == 0
+
+
+def fused_act_takes(hidden: int, config: int) -> bool:
+    """Whether the prefill kernel's gate_up on tile ``config`` runs SiLU-and-mul +
+    quantization in its epilogue (moe-prefill-fused-act; the plan rule and a forced prefill
+    kernel alike): the epilogue runs 128 channels a tile."""
+    return hidden <= FUSED_ACT_MAX_HIDDEN and GEMM_TILES[config].bn == PREFILL_TILE_N
+
+
+_forced: dict = {}
+
+
+@contextlib.contextmanager
+def forced(token_tile: int | None = None, splits: int | None = None, pdl: bool | None = None,
+           prefill: bool | None = None, slot_tiles: bool | None = None,
+           group_m: int | None = None, fused_act: bool | None = None,
+           prefill_config: int | None = None, window: int | None = None,
+           tile_route: bool | None = None, token_rows: bool | None = None,
+           ctas: int | None = None, down_route: bool | None = None):
+    """Overrides the rules' token tile, both GEMMs' K splits, PDL, the prefill kernel (which
+    takes 128-token tiles only), the slot tiles (8-token tiles, not with the prefill
+    kernel), the prefill kernel's tile order band, its SiLU-and-mul epilogue and its tile
+    (one of MOE_PREFILL_CONFIGS; the epilogue runs 128-column tiles) and the decode kernel's
+    weight stages in flight (0: its whole ring), gate_up's tile experts from the ids
+    (moe-tile-route; the decode kernel's sorted tiles) and its tokens' rows read without the
+    gather (moe-token-rows; with tile_route), down's tile experts from the ids (moe-down-route;
+    sorted tiles), and both grouped GEMMs' CTAs an SM (``ctas``: 1, 2 with token tiles <= 32,
+    3 with slot tiles) (benchmarks, tests)."""
+    if ctas not in (None, 1, 2, 3):
+        raise ValueError(f"ctas must be 1, 2 or 3, got {ctas}")
+    if token_tile is not None and token_tile not in DECODE_TILES:
+        raise ValueError(f"token_tile must be one of {DECODE_TILES}, got {token_tile}")
+    if slot_tiles and (prefill or token_tile not in (None, DECODE_TILES[0])):
+        raise ValueError(f"slot tiles run {DECODE_TILES[0]}-token tiles without the prefill "
+                         f"kernel, got token_tile={token_tile}, prefill={prefill}")
+    if splits is not None and splits < 1:
+        raise ValueError(f"splits must be >= 1, got {splits}")
+    if window is not None and window < 0:
+        raise ValueError(f"window must be >= 0 (0: the whole ring), got {window}")
+    if group_m is not None and group_m < 1:
+        raise ValueError(f"group_m must be >= 1, got {group_m}")
+    if prefill_config is not None and prefill_config not in MOE_PREFILL_CONFIGS:
+        raise ValueError(f"prefill_config must be one of {MOE_PREFILL_CONFIGS}, got "
+                         f"{prefill_config}")
+    if prefill and token_tile not in (None, PREFILL_TILE):
+        raise ValueError(f"the prefill kernel takes {PREFILL_TILE}-token tiles, got {token_tile}")
+    if slot_tiles is None and (prefill or token_tile is not None):
+        slot_tiles = False  # (a forced tile or kernel is the sorted layer's)
+    old = dict(_forced)
+    _forced.update({k: v for k, v in (("token_tile", token_tile), ("splits", splits),
+                                      ("pdl", pdl), ("prefill", prefill),
+                                      ("slot_tiles", slot_tiles), ("group_m", group_m),
+                                      ("fused_act", fused_act),
+                                      ("prefill_config", prefill_config),
+                                      ("window", window), ("tile_route", tile_route),
+                                      ("token_rows", token_rows), ("down_route", down_route),
+                                      ("ctas", ctas))
+                   if v is not None})
+    try:
+        yield
+    finally:
+        _forced.clear()
+        _forced.update(old)
+
+
+def _apply_forced(plan: MoePlan, hidden: int, inter: int) -> MoePlan:
+    config = plan.config
+    prefill = _forced.get("prefill", plan.prefill)
+    if prefill and not prefill_takes(hidden, inter):
+        raise ValueError(f"the prefill kernel needs hidden and 2 * intermediate multiples of "
+                         f"{PREFILL_TILE_N}, got {hidden}, {inter}")
+    if _forced.get("fused_act") and not prefill:
+        raise ValueError("the SiLU-and-mul epilogue is the prefill kernel's: fused_act=True "
+                         "needs prefill, got the decode kernel's plan")
+    tile = _forced.get("prefill_config", plan.gate_up.prefill_config)
+    fused_act = prefill and _forced.get("fused_act", fused_act_takes(hidden, tile))
+    if fused_act and GEMM_TILES[tile].bn != PREFILL_TILE_N:
+        raise ValueError(f"the SiLU-and-mul epilogue runs {PREFILL_TILE_N}-column tiles, got "
+                         f"prefill_config={tile} ({GEMM_TILES[tile].bn} columns)")
+    tile_route = tile_route_takes(prefill, plan.slot_tiles)
+    if _forced.get("tile_route") and not tile_route:
+        raise ValueError("tile_route=True runs the decode kernel's sorted tiles, got the "
+                         + ("prefill kernel" if prefill else "slot tiles"))
+    tile_route = _forced.get("tile_route", tile_route)
+    if _forced.get("token_rows") and not tile_route:
+        raise ValueError("token_rows=True needs tile_route (gate_up finds its tiles' tokens "
+                         "from the ids)")
+    if "token_tile" in _forced:
+        config = DECODE_TILES.index(_forced["token_tile"])
+    if prefill:
+        config = DECODE_TILES.index(PREFILL_TILE)
+    bt = DECODE_TILES[config]
+    token_rows = _forced.get("token_rows", token_rows_takes(tile_route, hidden, bt))
+    down_route = down_route_takes(prefill, plan.slot_tiles)
+    if _forced.get("down_route") and not down_route:
+        raise ValueError("down_route=True runs the decode kernel's sorted tiles, got the "
+                         + ("prefill kernel" if prefill else "slot tiles"))
+    down_route = _forced.get("down_route", down_route)
+    forced_ctas = _forced.get("ctas")
+    if ((forced_ctas == 3 and (prefill or not plan.slot_tiles))
+            or (forced_ctas == 2 and bt > TWO_PER_SM_MAX_BT)):
+        raise ValueError(f"ctas={forced_ctas} runs slot tiles (3) or token tiles <= "
+                         f"{TWO_PER_SM_MAX_BT} (2), got token tile {bt}"
+                         + (", the prefill kernel" if prefill else ""))
+
+    def g(old: GroupedGemmPlan, k: int) -> GroupedGemmPlan:
+        splits = min(_forced.get("splits", old.splits), cdiv(k, BLOCK))
+        group_m = _forced.get("group_m", old.group_m)
+        # (the plan's CTAs an SM, moe-slot-three's included, unless forced or the tile is)
+        ctas = (forced_ctas if forced_ctas is not None
+                else old.ctas_per_sm if bt == plan.token_tile else ctas_per_sm(bt))
+        return GroupedGemmPlan(splits, ctas, group_m,
+                               _forced.get("prefill_config", old.prefill_config),
+                               _forced.get("window", decode_window(ctas, plan.slot_tiles)))
+    return MoePlan(config, g(plan.gate_up, hidden), g(plan.down, inter),
+                   _forced.get("pdl", plan.pdl), prefill, plan.parallel_route, plan.slot_tiles,
+                   fused_act, tile_route, token_rows, down_route, "forced")
+
+
+def for_call(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int) -> MoePlan:
+    """The plan a call runs: the rules', with ``forced``'s overrides (benchmarks, tests)."""
+    plan = choose(m, top_k, experts, hidden, inter, sms, _forced.get("slot_tiles"))
+    return _apply_forced(plan, hidden, inter) if _forced else plan
