@@ -175,7 +175,10 @@ def model_name(model: dict) -> str:
     """What the header's model is, in words (the full model's layer count noted)."""
     moe = is_moe(model)
     full = 48 if moe else 32
-    return (f"{model['layers']}-layer {'Qwen3-30B-A3B' if moe else 'Llama-3.1-8B'}-shaped model"
+    arch = "Qwen3-30B-A3B" if moe else "Llama-3.1-8B"
+    if model.get("shape", "").startswith("tiny"):  # (--shape tiny, tiny_moe)
+        return f"{model['layers']}-layer {model['shape']} model (a small {arch}-architecture one)"
+    return (f"{model['layers']}-layer {arch}-shaped model"
             f"{'' if model['layers'] == full else f' (NOT the {full}-layer model)'}")
 
 

@@ -148,13 +148,13 @@ def base_env(extra=None) -> dict:
 
 
 # =============================================================================== models
-def build_models(work: str, layers: int, seed: int) -> dict:
+def build_models(work: str, layers: int, seed: int, shape: str) -> dict:
     """Stage `models`, in its own process (the parent never touches the GPU): BF16 checkpoint
     from seeded random weights (generated on the GPU when there is one), then the FP8 one
     through `python -m fp8linear.cli quantize`. Skipped when both exist with these sizes."""
     bf16, fp8 = os.path.join(work, "bf16"), os.path.join(work, "fp8")
     stamp = os.path.join(work, "models.json")
-    want = {"layers": layers, "seed": seed, **MODEL}
+    want = {"layers": layers, "seed": seed, "shape": shape, **MODEL}
     if os.path.exists(stamp):
         with open(stamp) as f:
             old = json.load(f)
@@ -591,6 +591,8 @@ def engines(args, models_rec) -> int:
     h = {"benchmark": "e2e_vllm", "date": utc_now(), "command": " ".join(
         [os.path.basename(sys.executable)] + sys.argv), "git_commit": git_commit(), **smi,
         "model": dict(models_rec.get("model", {}), note=(
+            f"--shape {args.shape}: a small model of the architecture, seeded random weights "
+            f"(plumbing checks)" if args.shape.startswith("tiny") else
             f"Qwen3-30B-A3B's shape, {args.layers} of its 48 layers, seeded random weights "
             f"(bf16: vLLM's dummy weights); log-probabilities compared with "
             f"{logprob_reference(MODEL)} on the same FP8 checkpoint" if is_moe(MODEL) else
@@ -809,7 +811,7 @@ def main(argv=None) -> int:
     if args.worker:
         return worker(args.worker)
     if args.build_models:
-        build_models(args.work, args.layers, args.seed)
+        build_models(args.work, args.layers, args.seed, args.shape)
         return 0
     rec = {}
     if args.stage in ("all", "models"):

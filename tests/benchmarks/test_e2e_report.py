@@ -89,3 +89,15 @@ def test_parallel_engines_compared_with_their_tp1_engine():
     assert ("fp8_blockgemm@ep2 vs TP1 fp8_blockgemm: prompt |dlogprob| mean/max 0.020/0.020, "
             "top-1 agreement 1.000, greedy tokens equal") in lines
     assert "fp8_cutlass@tp2 vs TP1 fp8_cutlass: no TP1 engine fp8_cutlass in this run" in lines
+
+
+def test_a_run_names_its_model_tiny_shapes_apart():
+    # the table's and plot's title: the full shapes by their layers, the CPU plumbing shapes
+    # by name (not as the model whose architecture they share)
+    from e2e_moe_model import QWEN3_30B_A3B, TINY_MOE
+    assert (R.model_name({"layers": 48, "shape": "qwen3_30b_a3b", **QWEN3_30B_A3B})
+            == "48-layer Qwen3-30B-A3B-shaped model")
+    assert (R.model_name({"layers": 8, **QWEN3_30B_A3B})  # (a header from before "shape")
+            == "8-layer Qwen3-30B-A3B-shaped model (NOT the 48-layer model)")
+    assert (R.model_name({"layers": 2, "shape": "tiny_moe", **TINY_MOE})
+            == "2-layer tiny_moe model (a small Qwen3-30B-A3B-architecture one)")
