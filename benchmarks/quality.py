@@ -22,9 +22,9 @@ Subcommands::
   python benchmarks/quality.py run --bf16 BF16_DIR [--fp8 FP8_DIR] --engine vllm \\
       --device cuda --out RESULT.json
 
-  # moving a checkpoint in pieces of at most 60 MB (and back)
-  python benchmarks/quality.py chunk DIR OUTDIR --size 60MB
-  python benchmarks/quality.py unchunk OUTDIR RESTORED_DIR
+  # moving a checkpoint in pieces of at most 60 MB (and back), with tar and coreutils
+  tar -cf - DIR | split -d -b 60M - PARTS/DIR.tar. && (cd PARTS && sha256sum DIR.tar.* > SUMS)
+  (cd PARTS && sha256sum -c SUMS) && cat PARTS/DIR.tar.* | tar -xf -
 
 Metrics (over every scored position: each window's tokens 1..n-1, predicted from the
 tokens before them in that window):
@@ -40,16 +40,13 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import hashlib
-import io
 import json
 import math
 import os
 import platform
-import re
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 import traceback
@@ -650,194 +647,6 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-# ====================================================================== chunk / unchunk
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
-
-def parse_size(s: str) -> int:
-    """'60MB' -> 60,000,000; '60MiB' -> 62,914,560; '4096' -> 4096 bytes."""
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*", str(s))
-    if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"size {s!r}: expected a number with B, KB, MB, GB, KiB, MiB or GiB")
-    n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-    if n < 1:
-        raise ValueError(f"size {s!r} is below one byte")
-    return n
-
-
-class _ChunkWriter(io.RawIOBase):
-    """A write-only stream cut into files ``<stem>.NNN`` of at most ``size`` bytes."""
-
-    def __init__(self, outdir: Path, stem: str, size: int):
-        self.outdir, self.stem, self.size = outdir, stem, size
-        self.chunks: list = []
-        self._f = None
-        self._h = None
-        self._n = 0
-
-    def writable(self):
-        return True
-
-    def _open(self):
-        name = f"{self.stem}.{len(self.chunks):03d}"
-        self._f = open(self.outdir / name, "wb")
-        self._h = hashlib.sha256()
-        self._n = 0
-        self.chunks.append({"file": name})
-
-    def _close_chunk(self):
-        if self._f is not None:
-            self._f.close()
-            self.chunks[-1].update({"bytes": self._n, "sha256": self._h.hexdigest()})
-            self._f = None
-
-    def write(self, b) -> int:
-        mv = memoryview(b).cast("B")
-        done = 0
-        while done < len(mv):
-            if self._f is None or self._n >= self.size:
-                self._close_chunk()
-                self._open()
-            take = min(self.size - self._n, len(mv) - done)
-            piece = mv[done:done + take]
-            self._f.write(piece)
-            self._h.update(piece)
-            self._n += take
-            done += take
-        return len(mv)
-
-    def close(self):
-        self._close_chunk()
-        super().close()
-
-
-class _ChunkReader(io.RawIOBase):
-    """The chunk files read back as one stream, each checked against its sha256 as it
-    ends."""
-
-    def __init__(self, chunkdir: Path, chunks: list):
-        self.chunkdir, self.chunks = chunkdir, list(chunks)
-        self._i = -1
-        self._f = None
-        self._h = None
-
-    def readable(self):
-        return True
-
-    def _next(self) -> bool:
-        if self._f is not None:
-            self._f.close()
-            c = self.chunks[self._i]
-            if self._h.hexdigest() != c["sha256"]:
-                raise ValueError(f"{self.chunkdir / c['file']}: sha256 mismatch (corrupt or "
-                                 f"incomplete transfer)")
-        self._i += 1
-        if self._i >= len(self.chunks):
-            self._f = None
-            return False
-        c = self.chunks[self._i]
-        path = self.chunkdir / c["file"]
-        if not path.exists():
-            raise FileNotFoundError(f"{path}: chunk {self._i + 1} of {len(self.chunks)} is "
-                                    f"missing")
-        if path.stat().st_size != c["bytes"]:
-            raise ValueError(f"{path}: {path.stat().st_size} bytes, the manifest says "
-                             f"{c['bytes']}")
-        self._f = open(path, "rb")
-        self._h = hashlib.sha256()
-        return True
-
-    def readinto(self, buf) -> int:
-        while True:
-            if self._f is None and not self._next():
-                return 0
-            n = self._f.readinto(buf)
-            if n:
-                self._h.update(memoryview(buf)[:n])
-                return n
-            if not self._next():
-                return 0
-
-
-def chunk(src, outdir, size: int) -> Path:
-    """Pack the folder ``src`` as an uncompressed tar stream cut into files of at most
-    ``size`` bytes in ``outdir``, plus ``<name>.manifest.json`` (each chunk's and each
-    file's sha256). Returns the manifest's path."""
-    src, outdir = Path(src).resolve(), Path(outdir)
-    if not src.is_dir():
-        raise NotADirectoryError(f"{src}: not a directory")
-    outdir.mkdir(parents=True, exist_ok=True)
-    stem = f"{src.name}.tar"
-    for old in outdir.glob(f"{stem}.[0-9][0-9][0-9]"):
-        old.unlink()
-    files = []
-    writer = _ChunkWriter(outdir, stem, size)
-    with tarfile.open(fileobj=writer, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-        for p in sorted(src.rglob("*")):
-            rel = p.relative_to(src).as_posix()
-            if p.is_symlink() or not (p.is_file() or p.is_dir()):
-                raise ValueError(f"{p}: only regular files and folders can be chunked")
-            tar.add(p, arcname=rel, recursive=False)
-            if p.is_file():
-                files.append({"path": rel, "bytes": p.stat().st_size,
-                              "sha256": sha256_file(p)})
-    writer.close()
-    manifest = {"format": "fp8linear-quality-chunks/1", "name": src.name,
-                "chunk_size": size, "chunks": writer.chunks, "files": files,
-                "total_bytes": sum(c["bytes"] for c in writer.chunks)}
-    mpath = outdir / f"{src.name}.manifest.json"
-    mpath.write_text(json.dumps(manifest, indent=1) + "\n")
-    return mpath
-
-
-def unchunk(chunkdir, outdir, name: str | None = None, force: bool = False) -> Path:
-    """Rebuild the folder from ``chunkdir`` (its ``*.manifest.json``; ``name`` picks one
-    when several) into ``outdir``, checking every chunk's and every file's sha256."""
-    chunkdir, outdir = Path(chunkdir), Path(outdir)
-    manifests = sorted(chunkdir.glob(f"{name or '*'}.manifest.json"))
-    if len(manifests) != 1:
-        raise ValueError(f"{chunkdir}: expected one *.manifest.json"
-                         + (f" for {name}" if name else "") + f", found {len(manifests)}"
-                         + (" (pass --name)" if len(manifests) > 1 else ""))
-    manifest = json.loads(manifests[0].read_text())
-    if outdir.exists() and any(outdir.iterdir()):
-        if not force:
-            raise FileExistsError(f"{outdir} exists and is not empty (pass --force)")
-        shutil.rmtree(outdir)
-    outdir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{outdir.name}.tmp-", dir=outdir.parent))
-    try:
-        reader = io.BufferedReader(_ChunkReader(chunkdir, manifest["chunks"]), 1 << 20)
-        with tarfile.open(fileobj=reader, mode="r|") as tar:
-            for member in tar:
-                if not (member.isfile() or member.isdir()):
-                    raise ValueError(f"unexpected tar member {member.name!r}")
-                target = (tmp / member.name).resolve()
-                if tmp.resolve() not in target.parents and target != tmp.resolve():
-                    raise ValueError(f"tar member {member.name!r} points outside the folder")
-                if member.isdir():
-                    target.mkdir(parents=True, exist_ok=True)
-                    continue
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with tar.extractfile(member) as f, open(target, "wb") as g:
-                    shutil.copyfileobj(f, g, 1 << 20)
-        reader.read()  # the tar's end padding, through the last chunk's checksum
-        for fi in manifest["files"]:
-            p = tmp / fi["path"]
-            if not p.is_file() or p.stat().st_size != fi["bytes"] \
-                    or sha256_file(p) != fi["sha256"]:
-                raise ValueError(f"{fi['path']}: restored file does not match the manifest")
-        os.chmod(tmp, 0o755)
-        if outdir.exists():
-            outdir.rmdir()
-        os.replace(tmp, outdir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return outdir
-
-
 # ====================================================================== CLI
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="quality.py", description=__doc__.split("\n\n")[0])
@@ -872,16 +681,6 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--keep-work", action="store_true", help="keep the temporary scratch folder")
     r.add_argument("--out", help="result JSON")
 
-    c = sub.add_parser("chunk", help="split a folder into chunk files of at most --size")
-    c.add_argument("dir")
-    c.add_argument("outdir")
-    c.add_argument("--size", default="60MB", help="largest chunk (default 60MB)")
-
-    u = sub.add_parser("unchunk", help="rebuild a folder from its chunks")
-    u.add_argument("chunkdir")
-    u.add_argument("outdir")
-    u.add_argument("--name", help="which folder, when CHUNKDIR holds several")
-    u.add_argument("--force", action="store_true", help="replace a non-empty OUTDIR")
     return p
 
 
@@ -895,12 +694,6 @@ def main(argv=None) -> int:
             print(prepare(args.gguf, args.out, args.force))
         elif args.command == "run":
             return run(args)
-        elif args.command == "chunk":
-            m = chunk(args.dir, args.outdir, parse_size(args.size))
-            info = json.loads(m.read_text())
-            print(f"{len(info['chunks'])} chunks ({info['total_bytes']} bytes) + {m}")
-        elif args.command == "unchunk":
-            print(unchunk(args.chunkdir, args.outdir, args.name, args.force))
     except (ValueError, OSError) as e:
         print(f"quality.py {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -1,11 +1,9 @@
 """benchmarks/quality.py without the model: the metrics on synthetic logits with known
-answers, the token windows, the chunk / unchunk round trip, and the committed result's
-schema. Needs neither the network nor transformers nor vLLM."""
+answers, the token windows, and the committed result's schema. Needs neither the network nor transformers nor vLLM."""
 from __future__ import annotations
 
 import json
 import math
-import os
 from collections import namedtuple
 from pathlib import Path
 
@@ -200,83 +198,6 @@ def test_json_tokenizer_reads_a_checkpoints_tokenizer_json(tmp_path):
     assert jt("hello world again", add_special_tokens=False)["input_ids"] == [1, 2, 0]
     with pytest.raises(FileNotFoundError):
         quality.JsonTokenizer(tmp_path / "nowhere")
-
-
-# ------------------------------------------------------------------ chunk / unchunk
-def _make_folder(root: Path) -> dict:
-    root.mkdir()
-    (root / "sub").mkdir()
-    (root / "empty_dir").mkdir()
-    files = {
-        "model.safetensors": os.urandom(25_000),    # larger than a chunk
-        "config.json": b'{"hidden_size": 576}\n',
-        "empty.txt": b"",
-        "sub/tokenizer.json": os.urandom(3_333),
-    }
-    for rel, data in files.items():
-        (root / rel).write_bytes(data)
-    return files
-
-
-def test_parse_size():
-    assert quality.parse_size("60MB") == 60_000_000
-    assert quality.parse_size("60MiB") == 60 * 2**20
-    assert quality.parse_size("4096") == 4096
-    assert quality.parse_size("1.5kb") == 1500
-    for bad in ("", "MB", "60XB", "0"):
-        with pytest.raises(ValueError):
-            quality.parse_size(bad)
-
-
-def test_chunk_unchunk_round_trip(tmp_path):
-    files = _make_folder(tmp_path / "ckpt")
-    chunks = tmp_path / "chunks"
-    manifest = quality.chunk(tmp_path / "ckpt", chunks, 10_000)
-    parts = sorted(chunks.glob("ckpt.tar.[0-9][0-9][0-9]"))
-    assert len(parts) >= 3
-    assert all(p.stat().st_size <= 10_000 for p in parts)
-    m = json.loads(manifest.read_text())
-    assert [c["file"] for c in m["chunks"]] == [p.name for p in parts]
-    assert m["total_bytes"] == sum(p.stat().st_size for p in parts)
-
-    out = tmp_path / "restored"
-    assert quality.unchunk(chunks, out) == out
-    for rel, data in files.items():
-        assert (out / rel).read_bytes() == data
-    assert (out / "empty_dir").is_dir()
-    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == \
-        sorted(p.relative_to(tmp_path / "ckpt").as_posix()
-               for p in (tmp_path / "ckpt").rglob("*"))
-
-
-def test_chunk_and_unchunk_through_the_command_line(tmp_path, capsys):
-    files = _make_folder(tmp_path / "ckpt")
-    assert quality.main(["chunk", str(tmp_path / "ckpt"), str(tmp_path / "c"),
-                         "--size", "8KB"]) == 0
-    assert all(p.stat().st_size <= 8000 for p in (tmp_path / "c").glob("ckpt.tar.*"))
-    assert quality.main(["unchunk", str(tmp_path / "c"), str(tmp_path / "r")]) == 0
-    assert (tmp_path / "r" / "model.safetensors").read_bytes() == files["model.safetensors"]
-    # an existing, non-empty output is kept unless --force
-    assert quality.main(["unchunk", str(tmp_path / "c"), str(tmp_path / "r")]) == 2
-    assert "exists" in capsys.readouterr().err
-    assert quality.main(["unchunk", str(tmp_path / "c"), str(tmp_path / "r"), "--force"]) == 0
-
-
-def test_unchunk_refuses_a_corrupt_or_missing_chunk(tmp_path):
-    _make_folder(tmp_path / "ckpt")
-    chunks = tmp_path / "chunks"
-    quality.chunk(tmp_path / "ckpt", chunks, 10_000)
-    second = chunks / "ckpt.tar.001"
-    data = bytearray(second.read_bytes())
-    data[100] ^= 0xFF
-    second.write_bytes(bytes(data))
-    with pytest.raises(ValueError, match="sha256"):
-        quality.unchunk(chunks, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
-    assert not list(tmp_path.glob(".out.tmp-*"))  # nothing left half-written
-    second.unlink()
-    with pytest.raises(FileNotFoundError, match="missing"):
-        quality.unchunk(chunks, tmp_path / "out")
 
 
 # ------------------------------------------------------------------ the committed result
