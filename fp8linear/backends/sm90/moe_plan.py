@@ -77,111 +77,129 @@ def expected_active(slots: int, experts: int) -> float:
 @functools.lru_cache(maxsize=4096)
 def choose(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int,
            slot_tiles: bool | None = None) -> MoePlan:
-    """The plan by the rules (``slot_tiles`` forces moe-slot-tiles on or off: ``forced``)."""
+    """The plan by the rules (``slot_tiles`` forces moe-slot-tiles on or off: ``forced``);
+    ``rule`` names every rule that shaped it."""
     slots = m * top_k
     active = expected_active(slots, experts)
-    # moe-token-tile: the smallest tile that holds an active expert's expected tokens, so
-    # that few tokens an expert pad no tensor-core work up to 64 rows (128 at most)
     per_expert = math.ceil(slots / active - 1e-3)
-    want, rule = per_expert, "moe-token-tile"
-    if hidden >= TILE_2X_MIN_HIDDEN and per_expert >= TILE_2X_MIN_TOKENS:
-        # moe-token-tile-2x: wide experts with >= 16 tokens each take a tile of twice that,
-        # so that the experts routed more than the mean still stream their weights once
-        want, rule = 2 * per_expert, "moe-token-tile-2x"
-    elif hidden < TILE_2X_MIN_HIDDEN:
-        # moe-token-tile-spread: narrower experts take a tile that holds one standard
-        # deviation of an expert's tokens (sqrt of the mean) above the mean, so that few of
-        # them stream their weights twice (Qwen3-30B-A3B at 16 an expert: 32-token tiles 6%
-        # faster; at 12, 16-token tiles 5% faster than 32)
-        want, rule = per_expert + math.sqrt(per_expert), "moe-token-tile-spread"
-    # moe-slot-tiles: a tile a (token, slot) pair, no routing: the route, gather and
-    # SiLU-and-mul launches go (~7 us; gate_up reads the token's row, down its pair's gate_up
-    # row, each quantizing in the kernel), but pairs of the same expert read its weights
-    # again. One token (its k experts are distinct), or where the expected rereads (pairs
-    # beyond the active experts, 3 * H * I bytes each) are <= 30 MB (measured: 27 MB gains,
-    # 37-40 MB lose)
+    want, rule = token_tile_want(per_expert, hidden)
     if slot_tiles is None:
-        slot_tiles = m == 1 or (slots - active) * 3 * hidden * inter <= SLOT_TILES_MAX_REREAD_BYTES
+        slot_tiles = slot_tiles_take(m, slots, active, hidden, inter)
     if slot_tiles:
         want, rule = DECODE_TILES[0], "moe-slot-tiles"
-    # moe-prefill: from 32 expected tokens an active expert (24 for hidden >= 4096),
-    # 128-token tiles on the persistent large-M kernel: its deep pipeline and one wave of
-    # CTAs walking all the experts' tiles beat the decode kernel's one-tile CTAs, padding
-    # included (measured 4-37% faster there; below, the padding loses)
-    min_tokens = PREFILL_MIN_TOKENS_WIDE if hidden >= TILE_2X_MIN_HIDDEN else PREFILL_MIN_TOKENS
-    prefill = not slot_tiles and per_expert >= min_tokens and prefill_takes(hidden, inter)
+    prefill = not slot_tiles and prefill_kernel_takes(per_expert, hidden, inter)
     if prefill:
         want, rule = PREFILL_TILE, "moe-prefill"
     config = next((i for i, t in enumerate(DECODE_TILES) if t >= want), len(DECODE_TILES) - 1)
     bt = DECODE_TILES[config]
-    tiles = slots if slot_tiles else active * cdiv(per_expert, bt)
-
-    # moe-prefill-band: experts whose gate_up weights pass the L2 by far, with >= 2 token
-    # tiles each: the prefill kernel walks bands of 4 M blocks an N block, so that the CTAs
-    # running together share an expert's weight tiles in L2 instead of each M block
-    # streaming them from DRAM again (Mixtral from 1024 tokens 4-6% faster; experts of one
-    # tile lose with bands: theirs hold other experts' tiles)
-    band = (PREFILL_BAND if prefill and 2 * inter * hidden >= PREFILL_BAND_MIN_BYTES
-            and per_expert >= 2 * PREFILL_TILE else 1)
-    if band > 1:
-        rule += "+moe-prefill-band"
-    # moe-prefill-pairs: from 128 expected tokens an expert (a whole M tile each: the layer
-    # near compute-bound), 128x192 tiles in pairs along M multicasting the weight tile: 42%
-    # fewer L2 bytes a FLOP, and the power cap then holds a higher clock (alone at the cap
-    # 4-11% faster at 4096 tokens, level on Qwen3-30B-A3B; below, an expert's tile or two
-    # rarely share a pair, and they lose 1-2%)
-    pairs = prefill and per_expert >= PREFILL_PAIRS_MIN_TOKENS
-    tile = PREFILL_PAIRS_CONFIG if pairs else MOE_PREFILL_CONFIG
-    if pairs:
-        rule += "+moe-prefill-pairs"
     ctas = ctas_per_sm(bt)
     window = decode_window(ctas, slot_tiles)
-
-    def gemm(n: int, k: int) -> GroupedGemmPlan:
-        if prefill:  # (the persistent kernel walks whole K: nothing to split)
-            return GroupedGemmPlan(1, 1, band, tile)
-        # moe-split-fill: split K until the expected CTAs fill the SMs' slots in one wave,
-        # keeping >= 2 K blocks a split (the reduction pass costs more below that)
-        num_kb = cdiv(k, BLOCK)
-        grid = max(1.0, cdiv(n, ROWS) * tiles)
-        splits = max(1, min(int(ctas * sms // grid), num_kb // 2))
-        if slot_tiles:
-            # moe-slot-kbs: a CTA's quantized token slice (1 KB a K block) stays resident
-            # beside >= 2 weight stages (16 KB each) in two CTAs' share of an SM: <= 64 K
-            # blocks a split (DeepSeek-V3's 56 run unsplit, Mixtral's 112 in 4 splits anyway)
-            splits = max(splits, cdiv(num_kb, SLOT_TILES_MAX_KBS))
-            if slot_three_takes(cdiv(n, ROWS) * tiles * splits, sms, cdiv(num_kb, splits)):
-                return GroupedGemmPlan(splits, 3, window=window)  # (moe-slot-three)
-        return GroupedGemmPlan(splits, ctas, window=window)
-
-    # moe-pdl: each grouped GEMM launches under PDL and streams its experts' weights while
-    # the kernel before it (gather + quant, SiLU-and-mul + quant) runs: the routing that chose
-    # the experts (tile_expert) finished before that kernel let the GEMM launch (its programs
-    # trigger after their griddepcontrol.wait). It reads its activations after its own wait.
-    # (Slot tiles: gate_up reads the ids after its wait, down before.)
-    # moe-route-parallel: from 256 (token, slot) pairs, the routing's three parallel
-    # launches (count, scan, place) instead of the one-program route, whose serial walk over
-    # the slots grows with them (measured crossover 128-512)
-    parallel = slots >= PARALLEL_ROUTE_MIN_SLOTS
-    rule += "+moe-pdl" if prefill else "+moe-split-fill+moe-pdl"
-    if not prefill and window > 0:
-        rule += "+moe-decode-window"
-    # moe-prefill-fused-act: hidden <= 4096 on 128-column tiles, the prefill kernel's gate_up
-    # writes h = SiLU(gate) * up quantized (its epilogue), not gate_up in x's dtype for a
-    # SiLU-and-mul launch to read back (measured 1-5% faster at hidden 2048 to 2048 tokens,
-    # level at 4096; level or slower at 7168, whose longer K loops make the stage it saves
-    # weigh less than its epilogue)
-    fused_act = prefill and fused_act_takes(hidden, tile)
-    rule += "+moe-prefill-fused-act" if fused_act else ""
+    if prefill:  # (the persistent kernel walks whole K: nothing to split)
+        band = prefill_band(hidden, inter, per_expert)
+        pairs = prefill_pairs_take(per_expert)
+        tile = PREFILL_PAIRS_CONFIG if pairs else MOE_PREFILL_CONFIG
+        gate_up = down = GroupedGemmPlan(1, 1, band, tile)
+        taken = [("moe-prefill-band", band > 1), ("moe-prefill-pairs", pairs)]
+    else:
+        tiles = slots if slot_tiles else active * cdiv(per_expert, bt)
+        gate_up = decode_gemm(2 * inter, hidden, tiles, ctas, sms, slot_tiles, window)
+        down = decode_gemm(hidden, inter, tiles, ctas, sms, slot_tiles, window)
+        taken = [("moe-split-fill", True)]
+    # moe-pdl: both GEMMs launch under PDL and stream their experts' weights while the kernel
+    # before them runs (reading their activations after their own wait)
+    taken.append(("moe-pdl", True))
+    taken.append(("moe-decode-window", not prefill and window > 0))
+    fused_act = prefill and fused_act_takes(hidden, gate_up.prefill_config)
     tile_route = tile_route_takes(prefill, slot_tiles)
-    rule += "+moe-tile-route" if tile_route else ""
     token_rows = token_rows_takes(tile_route, hidden, bt)
-    rule += "+moe-token-rows" if token_rows else ""
     down_route = down_route_takes(prefill, slot_tiles)
-    rule += "+moe-down-route" if down_route else ""
-    return MoePlan(config, gemm(2 * inter, hidden), gemm(hidden, inter), True, prefill,
-                   parallel, slot_tiles, fused_act, tile_route, token_rows, down_route,
-                   rule + ("+moe-route-parallel" if parallel else ""))
+    parallel = parallel_route_takes(slots)
+    taken += [("moe-prefill-fused-act", fused_act), ("moe-tile-route", tile_route),
+              ("moe-token-rows", token_rows), ("moe-down-route", down_route),
+              ("moe-route-parallel", parallel)]
+    rule += "".join(f"+{name}" for name, on in taken if on)
+    return MoePlan(config, gate_up, down, True, prefill, parallel, slot_tiles, fused_act,
+                   tile_route, token_rows, down_route, rule)
+
+
+def token_tile_want(per_expert: int, hidden: int) -> tuple[float, str]:
+    """The tokens a decode tile should hold, and the rule that says so. moe-token-tile: an
+    active expert's expected tokens, so that few tokens an expert pad no tensor-core work up
+    to 64 rows (128 at most). moe-token-tile-2x: wide experts with >= 16 tokens each twice
+    that, so that the experts routed more than the mean still stream their weights once.
+    moe-token-tile-spread: narrower experts the mean plus one standard deviation of an
+    expert's tokens (its square root), so that few of them stream their weights twice
+    (Qwen3-30B-A3B at 16 an expert: 32-token tiles 6% faster; at 12, 16-token tiles 5%
+    faster than 32)."""
+    if hidden >= TILE_2X_MIN_HIDDEN and per_expert >= TILE_2X_MIN_TOKENS:
+        return 2 * per_expert, "moe-token-tile-2x"
+    if hidden < TILE_2X_MIN_HIDDEN:
+        return per_expert + math.sqrt(per_expert), "moe-token-tile-spread"
+    return per_expert, "moe-token-tile"
+
+
+def slot_tiles_take(m: int, slots: int, active: float, hidden: int, inter: int) -> bool:
+    """moe-slot-tiles: a tile a (token, slot) pair, no routing: the route, gather and
+    SiLU-and-mul launches go (~7 us; gate_up reads the token's row, down its pair's gate_up
+    row, each quantizing in the kernel), but pairs of the same expert read its weights again.
+    One token (its k experts are distinct), or where the expected rereads (pairs beyond the
+    active experts, 3 * H * I bytes each) are <= 30 MB (measured: 27 MB gains, 37-40 MB
+    lose)."""
+    return m == 1 or (slots - active) * 3 * hidden * inter <= SLOT_TILES_MAX_REREAD_BYTES
+
+
+def prefill_kernel_takes(per_expert: int, hidden: int, inter: int) -> bool:
+    """moe-prefill: from 32 expected tokens an active expert (24 for hidden >= 4096),
+    128-token tiles on the persistent large-M kernel: its deep pipeline and one wave of CTAs
+    walking all the experts' tiles beat the decode kernel's one-tile CTAs, padding included
+    (measured 4-37% faster there; below, the padding loses)."""
+    wide = hidden >= TILE_2X_MIN_HIDDEN
+    return (per_expert >= (PREFILL_MIN_TOKENS_WIDE if wide else PREFILL_MIN_TOKENS)
+            and prefill_takes(hidden, inter))
+
+
+def prefill_band(hidden: int, inter: int, per_expert: int) -> int:
+    """moe-prefill-band: experts whose gate_up weights pass the L2 by far, with >= 2 token
+    tiles each: the prefill kernel walks bands of 4 M blocks an N block, so that the CTAs
+    running together share an expert's weight tiles in L2 instead of each M block streaming
+    them from DRAM again (Mixtral from 1024 tokens 4-6% faster; experts of one tile lose with
+    bands: theirs hold other experts' tiles). 1: no bands."""
+    wide = 2 * inter * hidden >= PREFILL_BAND_MIN_BYTES
+    return PREFILL_BAND if wide and per_expert >= 2 * PREFILL_TILE else 1
+
+
+def prefill_pairs_take(per_expert: int) -> bool:
+    """moe-prefill-pairs: from 128 expected tokens an expert (a whole M tile each: the layer
+    near compute-bound), 128x192 tiles in pairs along M multicasting the weight tile: 42%
+    fewer L2 bytes a FLOP, and the power cap then holds a higher clock (alone at the cap 4-11%
+    faster at 4096 tokens, level on Qwen3-30B-A3B; below, an expert's tile or two rarely share
+    a pair, and they lose 1-2%)."""
+    return per_expert >= PREFILL_PAIRS_MIN_TOKENS
+
+
+def decode_gemm(n: int, k: int, tiles: float, ctas: int, sms: int, slot_tiles: bool,
+                window: int) -> GroupedGemmPlan:
+    """A grouped GEMM on the decode kernel, ``tiles`` token tiles of n x k outputs.
+    moe-split-fill: split K until the expected CTAs fill the SMs' slots in one wave, keeping
+    >= 2 K blocks a split (the reduction pass costs more below that). moe-slot-kbs (slot
+    tiles): a CTA's quantized token slice (1 KB a K block) stays resident beside >= 2 weight
+    stages (16 KB each) in two CTAs' share of an SM: <= 64 K blocks a split (DeepSeek-V3's 56
+    run unsplit, Mixtral's 112 in 4 splits anyway); then moe-slot-three."""
+    num_kb = cdiv(k, BLOCK)
+    grid = max(1.0, cdiv(n, ROWS) * tiles)
+    splits = max(1, min(int(ctas * sms // grid), num_kb // 2))
+    if slot_tiles:
+        splits = max(splits, cdiv(num_kb, SLOT_TILES_MAX_KBS))
+        if slot_three_takes(cdiv(n, ROWS) * tiles * splits, sms, cdiv(num_kb, splits)):
+            return GroupedGemmPlan(splits, 3, window=window)
+    return GroupedGemmPlan(splits, ctas, window=window)
+
+
+def parallel_route_takes(slots: int) -> bool:
+    """moe-route-parallel: from 256 (token, slot) pairs, the routing's three parallel launches
+    (count, scan, place) instead of the one-program route, whose serial walk over the slots
+    grows with them (measured crossover 128-512)."""
+    return slots >= PARALLEL_ROUTE_MIN_SLOTS
 
 
 def ctas_per_sm(token_tile: int) -> int:
