@@ -237,8 +237,8 @@ def down_route_takes(prefill: bool, slot_tiles: bool) -> bool:
     tiles' experts from the ids too, and the SiLU-and-mul launch lets down launch at its start,
     so that down's weights stream while gate_up's last CTAs and SiLU-and-mul run, not after
     (Qwen3-30B-A3B 8 tokens 74.0 -> 70.7 us, 16-256 0.7-2.0% faster; the others level to
-    1.8%)."""
-    return not prefill and not slot_tiles
+    1.8%). The same tiles as moe-tile-route."""
+    return tile_route_takes(prefill, slot_tiles)
 
 
 def token_rows_takes(tile_route: bool, hidden: int, token_tile: int) -> bool:
@@ -333,11 +333,14 @@ def _apply_forced(plan: MoePlan, hidden: int, inter: int) -> MoePlan:
     if fused_act and GEMM_TILES[tile].bn != PREFILL_TILE_N:
         raise ValueError(f"the SiLU-and-mul epilogue runs {PREFILL_TILE_N}-column tiles, got "
                          f"prefill_config={tile} ({GEMM_TILES[tile].bn} columns)")
-    tile_route = tile_route_takes(prefill, plan.slot_tiles)
-    if _forced.get("tile_route") and not tile_route:
-        raise ValueError("tile_route=True runs the decode kernel's sorted tiles, got the "
-                         + ("prefill kernel" if prefill else "slot tiles"))
-    tile_route = _forced.get("tile_route", tile_route)
+
+    def sorted_piece(name: str, rule: bool) -> bool:
+        # a piece of the decode kernel's sorted tiles: forced on only where they run
+        if _forced.get(name) and not rule:
+            raise ValueError(f"{name}=True runs the decode kernel's sorted tiles, got the "
+                             + ("prefill kernel" if prefill else "slot tiles"))
+        return _forced.get(name, rule)
+    tile_route = sorted_piece("tile_route", tile_route_takes(prefill, plan.slot_tiles))
     if _forced.get("token_rows") and not tile_route:
         raise ValueError("token_rows=True needs tile_route (gate_up finds its tiles' tokens "
                          "from the ids)")
@@ -347,11 +350,7 @@ def _apply_forced(plan: MoePlan, hidden: int, inter: int) -> MoePlan:
         config = DECODE_TILES.index(PREFILL_TILE)
     bt = DECODE_TILES[config]
     token_rows = _forced.get("token_rows", token_rows_takes(tile_route, hidden, bt))
-    down_route = down_route_takes(prefill, plan.slot_tiles)
-    if _forced.get("down_route") and not down_route:
-        raise ValueError("down_route=True runs the decode kernel's sorted tiles, got the "
-                         + ("prefill kernel" if prefill else "slot tiles"))
-    down_route = _forced.get("down_route", down_route)
+    down_route = sorted_piece("down_route", down_route_takes(prefill, plan.slot_tiles))
     forced_ctas = _forced.get("ctas")
     if ((forced_ctas == 3 and (prefill or not plan.slot_tiles))
             or (forced_ctas == 2 and bt > TWO_PER_SM_MAX_BT)):
