@@ -172,6 +172,17 @@ def make_call(method, x, w13, s13, w2, s2, routes, deepgemm=None):
     raise ValueError(f"unknown method {method}")
 
 
+# forced_pieces' words: a switch each, or a letter and a number
+SWITCH_PIECES = {"nopdl": ("pdl", False), "unfused": ("fused_act", False),
+                 "prefill": ("prefill", True), "decode": ("prefill", False),
+                 "slots": ("slot_tiles", True), "sorted": ("slot_tiles", False),
+                 "tileroute": ("tile_route", True), "notileroute": ("tile_route", False),
+                 "tokenrows": ("token_rows", True), "notokenrows": ("token_rows", False),
+                 "downroute": ("down_route", True), "nodownroute": ("down_route", False)}
+NUMBER_PIECES = {"t": "token_tile", "g": "group_m", "c": "prefill_config", "s": "splits",
+                 "w": "window", "k": "ctas"}
+
+
 def forced_pieces(pieces: str) -> dict:
     """The plan pieces an exploration method forces (backends/sm90/moe_plan.py ``forced``), joined
     by "+": t<tile>, nopdl, prefill / decode, slots / sorted, g<band>, c<config> (the prefill
@@ -182,23 +193,11 @@ def forced_pieces(pieces: str) -> dict:
     decode kernel's CTAs an SM)."""
     over = {}
     for piece in pieces.split("+"):
-        if piece == "nopdl":
-            over["pdl"] = False
-        elif piece == "unfused":
-            over["fused_act"] = False
-        elif piece in ("prefill", "decode"):
-            over["prefill"] = piece == "prefill"
-        elif piece in ("slots", "sorted"):
-            over["slot_tiles"] = piece == "slots"
-        elif piece in ("tileroute", "notileroute"):
-            over["tile_route"] = piece == "tileroute"
-        elif piece in ("tokenrows", "notokenrows"):
-            over["token_rows"] = piece == "tokenrows"
-        elif piece in ("downroute", "nodownroute"):
-            over["down_route"] = piece == "downroute"
-        elif piece[:1] in ("t", "g", "c", "s", "w", "k") and piece[1:].isdigit():
-            over[{"t": "token_tile", "g": "group_m", "c": "prefill_config",
-                  "s": "splits", "w": "window", "k": "ctas"}[piece[0]]] = int(piece[1:])
+        if piece in SWITCH_PIECES:
+            key, value = SWITCH_PIECES[piece]
+            over[key] = value
+        elif piece[:1] in NUMBER_PIECES and piece[1:].isdigit():
+            over[NUMBER_PIECES[piece[0]]] = int(piece[1:])
         else:
             raise ValueError(f"unknown forced piece {piece!r}")
     return over
