@@ -403,10 +403,13 @@ __global__ void __launch_bounds__(decode_threads(kCtasPerSM), kCtasPerSM)
                                   (hl % 2) * 8) = packed;
         if (hl == 0) sXS[i * BT + t] = gs.scale();
       };
-      if constexpr (kLoads != 8) {
+      auto emit_each = [&] {  // one scale division a group
 #pragma unroll
         for (int u = 0; u < kLoads; ++u)
           if (g0 + 16 * u < groups) emit(u, group_scale(amax_of(u)));
+      };
+      if constexpr (kLoads != 8) {
+        emit_each();
       } else if (gw + 8 + 16 * 3 < groups) {  // warp-uniform: every lane has >= 4 live groups
         const int j = hl % 8;
         const uint32_t wj = (j & 4) ? ((j & 2) ? amax2[3] : amax2[2])
@@ -420,9 +423,7 @@ __global__ void __launch_bounds__(decode_threads(kCtasPerSM), kCtasPerSM)
           if (g0 + 16 * u < groups) emit(u, gs);
         }
       } else {
-#pragma unroll
-        for (int u = 0; u < kLoads; ++u)
-          if (g0 + 16 * u < groups) emit(u, group_scale(amax_of(u)));
+        emit_each();
       }
     }
   } else {
