@@ -79,8 +79,10 @@ std::string launch(const GemmArgs& g, cudaStream_t stream) {
   // the two CTAs of a pair (activation halves of a_half rows, 8-row multiples so that rank 1's
   // half starts on a 1024-byte swizzle atom; rows past M are zero-filled by TMA)
   const int a_half = (a_rows / 2 + 7) / 8 * 8;
+  // (grouped: 64-row boxes, a tile's rows in one or two: gemm_kernel.cuh's stage)
   if (!(e = make_tensor_map_2d(&ta, g.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, g.M, g.K, g.K,
-                               kShareA ? a_half : a_rows, kBlockK, sw128)).empty())
+                               kGrouped ? 64 : kShareA ? a_half : a_rows, kBlockK,
+                               sw128)).empty())
     return e;
   // grouped: every expert's weights, [experts * N, K]; kSwiglu: a tile of two 64-row boxes
   const int w_rows = kGrouped ? g.experts * g.N : g.N;

@@ -373,9 +373,15 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
         // K block kb of the tile at row0 / nb into the next stage (its weights too unless they
         // went out early)
         auto stage = [&](int kb, int row0, int nb, const GroupedUnit& gu, int half,
-                         bool with_b) {
+                         bool with_b, int a_boxes) {
           mbar_wait(&empty[s], phase ^ 1);
-          if constexpr (CLUSTER == 1 || !kShareA) {
+          if constexpr (kGrouped) {
+            // 64-row boxes: an expert's last tile whose rows from 64 on are padding (its
+            // second math warpgroup runs no MMAs) loads one, a CTA running idle none
+            for (int i = 0; i < a_boxes; ++i)
+              tma_load_2d(sA + s * L::kABytes + i * 64 * kBlockK, &tmap_a, &full[s],
+                          kb * kBlockK, row0 + i * 64, keep);
+          } else if constexpr (CLUSTER == 1 || !kShareA) {
             tma_load_2d(sA + s * L::kABytes, &tmap_a, &full[s], kb * kBlockK, row0, keep);
           } else {
             // each CTA loads half the shared activation tile's rows for both: two TMA units
@@ -388,7 +394,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
           // The copies go out first, then the arrival that expects their bytes (the barrier
           // cannot complete before it): faster than arriving first (docs/tuning.md:
           // gemm-arrive-after-copies).
-          mbar_arrive_expect_tx(&full[s], p.stage_bytes);
+          mbar_arrive_expect_tx(&full[s], p.stage_bytes - (2 - a_boxes) * 64 * kBlockK);
           if (++s == STAGES) { s = 0; phase ^= 1; }
         };
         // whole tiles (with kSplitTail those below dp_end; it requests no early stages: it runs
@@ -401,16 +407,19 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
           const GroupedUnit gu = unit_expert(u);
           if (gu.expert < 0) continue;
           const int row0 = kSplitTail || kGrouped ? mb * BM : tile_row0<BM>(mb, p.M);
+          // (the math warpgroups' test of the same rows: a half tile, below)
+          const int a_boxes = !kGrouped ? 2 : !gu.own ? 0
+                              : __ldg(p.row_token + size_t(row0) + 64) < 0 ? 1 : 2;
           for (int half = 0; half < kHalves; ++half)
             for (int kb = 0; kb < p.num_kb; ++kb)
-              stage(kb, row0, nb, gu, half, u != first_unit || kb >= early);
+              stage(kb, row0, nb, gu, half, u != first_unit || kb >= early, a_boxes);
         }
         if (kSplitTail && int(blockIdx.x) < st.tail * st.parts) {  // this CTA's tail part
           const int part = blockIdx.x / st.tail;
           int mb, nb;
           unit_mn(st.dp_end + blockIdx.x % st.tail, mb, nb);
           for (int kb = st.kb(part, p.num_kb); kb < st.kb(part + 1, p.num_kb); ++kb)
-            stage(kb, mb * BM, nb, dense_unit(), 0, true);
+            stage(kb, mb * BM, nb, dense_unit(), 0, true, 2);
         }
         // PDL (a no-op without it): the next kernel may launch once every CTA of ours has
         // issued its last loads (one thread's call counts for its CTA); it waits for our
