@@ -23,8 +23,6 @@ ROWS = 128  # weight rows a CTA owns (moe.cu instantiates 128-row CTAs only)
 PREFILL_TILE, PREFILL_TILE_N = GEMM_TILES[MOE_PREFILL_CONFIG].bm, GEMM_TILES[MOE_PREFILL_CONFIG].bn
 TILE_2X_MIN_HIDDEN = 4096
 TILE_2X_MIN_TOKENS = 16
-PREFILL_MIN_TOKENS = 32
-PREFILL_MIN_TOKENS_WIDE = 24  # hidden >= TILE_2X_MIN_HIDDEN
 PREFILL_PAIRS_MIN_TOKENS = 128
 # the pairs' tile (moe-prefill-pairs): 128x192 in pairs along M
 PREFILL_PAIRS_CONFIG = next(c for c in MOE_PREFILL_CONFIGS
@@ -87,7 +85,7 @@ def choose(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int,
         slot_tiles = slot_tiles_take(m, slots, active, hidden, inter)
     if slot_tiles:
         want, rule = DECODE_TILES[0], "moe-slot-tiles"
-    prefill = not slot_tiles and prefill_kernel_takes(per_expert, hidden, inter)
+    prefill = not slot_tiles and prefill_kernel_takes(want, hidden, inter)
     if prefill:
         want, rule = PREFILL_TILE, "moe-prefill"
     config = next((i for i, t in enumerate(DECODE_TILES) if t >= want), len(DECODE_TILES) - 1)
@@ -148,14 +146,14 @@ def slot_tiles_take(m: int, slots: int, active: float, hidden: int, inter: int) 
     return m == 1 or (slots - active) * 3 * hidden * inter <= SLOT_TILES_MAX_REREAD_BYTES
 
 
-def prefill_kernel_takes(per_expert: int, hidden: int, inter: int) -> bool:
-    """moe-prefill: from 32 expected tokens an active expert (24 for hidden >= 4096),
-    128-token tiles on the persistent large-M kernel: its deep pipeline and one wave of CTAs
-    walking all the experts' tiles beat the decode kernel's one-tile CTAs, padding included
-    (measured 4-37% faster there; below, the padding loses)."""
-    wide = hidden >= TILE_2X_MIN_HIDDEN
-    return (per_expert >= (PREFILL_MIN_TOKENS_WIDE if wide else PREFILL_MIN_TOKENS)
-            and prefill_takes(hidden, inter))
+def prefill_kernel_takes(want: float, hidden: int, inter: int) -> bool:
+    """moe-prefill: where the decode token tile would hold more than 32 tokens (one CTA an
+    SM: from 17 expected tokens an expert with hidden >= 4096, 27 below), 128-token tiles on
+    the persistent large-M kernel: its deep pipeline and one wave of CTAs walking all the
+    experts' tiles beat the decode kernel's one-tile CTAs, padding included (at 20 an expert
+    15-19% faster than 64-token decode tiles; at 16, against 32-token tiles, level to 2%
+    either way)."""
+    return want > TWO_PER_SM_MAX_BT and prefill_takes(hidden, inter)
 
 
 def prefill_band(hidden: int, inter: int, per_expert: int) -> int:

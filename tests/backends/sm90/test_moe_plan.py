@@ -25,8 +25,8 @@ def test_expected_active_experts():
     ("qwen3_30b_a3b", 8, 8), ("qwen3_30b_a3b", 64, 8), ("qwen3_30b_a3b", 192, 16),
     ("qwen3_30b_a3b", 208, 32), ("qwen3_30b_a3b", 256, 32),
     ("mixtral_8x7b", 2, 8), ("mixtral_8x7b", 16, 8), ("mixtral_8x7b", 64, 32),
-    ("deepseek_v3", 16, 8), ("deepseek_v3", 640, 64),
-    ("mixtral_8x7b", 16, 8), ("mixtral_8x7b", 80, 64), ("deepseek_v3", 512, 32),
+    ("deepseek_v3", 16, 8), ("qwen3_30b_a3b", 416, 32),
+    ("mixtral_8x7b", 16, 8), ("deepseek_v3", 512, 32),
     ("qwen3_235b_a22b", 256, 32), ("qwen3_30b_a3b", 384, 32)])
 def test_token_tile_holds_an_experts_expected_tokens(model, m, tile):
     e, k, h, i = MODELS[model]
@@ -272,11 +272,14 @@ def test_narrow_experts_8_token_tiles_read_their_tokens_rows(model, m):
 
 
 @pytest.mark.parametrize("model, m, prefill", [
-    ("qwen3_30b_a3b", 384, False), ("qwen3_30b_a3b", 512, True),  # 24 / 32 tokens an expert
-    ("mixtral_8x7b", 64, False), ("mixtral_8x7b", 96, True),      # 16 / 24 (hidden 4096)
-    ("deepseek_v3", 512, False), ("deepseek_v3", 768, True),      # 16 / 24 (hidden 7168)
+    # the decode token tile past 32: 27 tokens an expert (27 + sqrt 27 > 32) for hidden 2048,
+    # 17 (twice 17 > 32) for hidden >= 4096
+    ("qwen3_30b_a3b", 416, False), ("qwen3_30b_a3b", 432, True),  # 26 / 27 tokens an expert
+    ("mixtral_8x7b", 64, False), ("mixtral_8x7b", 68, True),      # 16 / 17 (hidden 4096)
+    ("deepseek_v3", 512, False), ("deepseek_v3", 544, True),      # 16 / 17 (hidden 7168)
+    ("qwen3_235b_a22b", 256, False), ("qwen3_235b_a22b", 272, True),
     ("qwen3_30b_a3b", 1024, True), ("deepseek_v3", 2048, True)])
-def test_prefill_kernel_from_32_tokens_an_expert_24_if_wide(model, m, prefill):
+def test_prefill_kernel_where_the_decode_tile_would_pass_32_tokens(model, m, prefill):
     e, k, h, inter = MODELS[model]
     plan = choose(m, k, e, h, inter, 132)
     assert plan.prefill == prefill and ("moe-prefill" in plan.rule) == prefill
@@ -289,8 +292,9 @@ def test_prefill_kernel_from_32_tokens_an_expert_24_if_wide(model, m, prefill):
     assert (sm90_moe.stages(plan).gate_up_silu_quant is not None) == fused
     if prefill:  # no K splits: the persistent kernel walks whole K
         assert plan.gate_up == plan.down == GroupedGemmPlan(1, 1)
-    # hidden sizes off the 128 grid keep the decode kernel
-    assert not choose(m, k, e, h + 16, inter, 132).prefill
+    # hidden sizes off the 128 grid keep the decode kernel, on the tile the rule asks for
+    off_grid = choose(m, k, e, h + 16, inter, 132)
+    assert not off_grid.prefill and (off_grid.token_tile >= 64) == prefill
 
 
 @pytest.mark.parametrize("model, m, band", [
