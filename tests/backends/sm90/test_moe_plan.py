@@ -23,20 +23,24 @@ def test_expected_active_experts():
 
 @pytest.mark.parametrize("model,m,tile", [
     ("qwen3_30b_a3b", 8, 8), ("qwen3_30b_a3b", 64, 8), ("qwen3_30b_a3b", 192, 16),
-    ("qwen3_30b_a3b", 208, 32), ("qwen3_30b_a3b", 256, 32),
+    ("qwen3_30b_a3b", 208, 32), ("qwen3_30b_a3b", 256, 32), ("qwen3_30b_a3b", 384, 32),
+    ("qwen3_30b_a3b", 416, 32),
     ("mixtral_8x7b", 2, 8), ("mixtral_8x7b", 16, 8), ("mixtral_8x7b", 64, 32),
-    ("deepseek_v3", 16, 8), ("qwen3_30b_a3b", 416, 32),
-    ("mixtral_8x7b", 16, 8), ("deepseek_v3", 512, 32),
-    ("qwen3_235b_a22b", 256, 32), ("qwen3_30b_a3b", 384, 32)])
+    ("mixtral_8x7b", 24, 16), ("mixtral_8x7b", 48, 32),
+    # wide experts: 4 / 5 tokens an expert 8-token tiles, 7 and 11 16-token, 12 and 15 32
+    ("deepseek_v3", 16, 8), ("deepseek_v3", 112, 8), ("deepseek_v3", 144, 8),
+    ("deepseek_v3", 192, 16), ("deepseek_v3", 336, 16), ("deepseek_v3", 368, 32),
+    ("deepseek_v3", 480, 32), ("deepseek_v3", 512, 32), ("qwen3_235b_a22b", 256, 32)])
 def test_token_tile_holds_an_experts_expected_tokens(model, m, tile):
     e, k, h, i = MODELS[model]
     plan = choose(m, k, e, h, i, 132)
     assert plan.token_tile == tile and "moe-token-tile" in plan.rule and not plan.prefill
-    # wide experts with >= 16 tokens each: twice the tokens (moe-token-tile-2x); narrower
-    # ones the mean plus its square root (moe-token-tile-spread: Qwen3-30B-A3B 12 an expert
-    # at 192 tokens fit 16-token tiles, 13 at 208 take 32)
-    assert ("moe-token-tile-2x" in plan.rule) == (h >= 4096 and m * k / min(e, m * k) >= 15.9)
-    assert ("moe-token-tile-spread" in plan.rule) == (h < 4096)
+    # wide experts with >= 16 tokens each: twice the tokens (moe-token-tile-2x); below, the
+    # mean plus 1.25 standard deviations, or one for narrower experts (moe-token-tile-spread:
+    # Qwen3-30B-A3B 12 an expert at 192 tokens fit 16-token tiles, 13 at 208 take 32)
+    two_x = h >= 4096 and m * k / min(e, m * k) >= 15.9
+    assert ("moe-token-tile-2x" in plan.rule) == two_x
+    assert ("moe-token-tile-spread" in plan.rule) == (not two_x)
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
