@@ -24,8 +24,7 @@ from __future__ import annotations
 import torch
 
 from .backends import dispatch
-from .quant import FP8_DTYPE, cdiv, quantize_activation, reference_gemm
-from .swiglu_quant import silu_mul_reference
+from .quant import FP8_DTYPE, cdiv, quantize_activation, reference_gemm, silu_mul_reference
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

@@ -29,8 +29,7 @@ from typing import Callable
 
 import torch
 
-from .quant import cdiv, quantize_activation
-from .swiglu_quant import silu_mul_quant
+from .quant import cdiv, quantize_activation, silu_mul_reference
 
 
 @dataclass(frozen=True)
@@ -113,10 +112,9 @@ def gather_quant(x: torch.Tensor, r: Routing):
 
 
 def silu_mul_quant_rows(gate_up: torch.Tensor, r: Routing):
-    """SiLU-and-mul + quantization of the sorted rows (swiglu_quant's numerics): (fp8 [R, I],
-    scale [R, Ib], any strides)."""
-    q, scale_t = silu_mul_quant(gate_up)
-    return q, scale_t[:, :r.rows].t()
+    """SiLU-and-mul + quantization of the sorted rows (the numerics of quant.py, which
+    swiglu_quant's kernels keep): (fp8 [R, I], scale [R, Ib])."""
+    return quantize_activation(silu_mul_reference(gate_up))
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,9 @@ the compute path.
   block, shape [ceil(N/128), ceil(K/128)], or per row [N, ceil(K/128)];
 - activations: per token, per 128 channels, scale = max(amax, eps) / 448;
 - GEMM: each 128-wide K block's product accumulates in fp32 and is multiplied by
-  a_scale x w_scale before it joins the fp32 total; the output is rounded once.
+  a_scale x w_scale before it joins the fp32 total; the output is rounded once;
+- a gated MLP's (and an MoE expert's) activation: SiLU-and-mul in the activations' dtype,
+  then quantized as activations.
 """
 from __future__ import annotations
 
@@ -73,6 +75,13 @@ def quantize_weight(w: torch.Tensor, block: int = BLOCK, ue8m0: bool = False):
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
     q = q.view(nb * block, kb * block)[:n, :k].to(FP8_DTYPE)
     return q.contiguous(), scale.contiguous()
+
+
+def silu_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """SiLU-and-mul (SwiGLU) as vLLM's native ``SiluAndMul``: ``silu(x[..., :d]) * x[..., d:]``
+    in x's dtype (silu computed in fp32 and rounded, the product rounded)."""
+    d = x.shape[-1] // 2
+    return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
 
 
 def quantize_activation(x: torch.Tensor, group: int = BLOCK, ue8m0: bool = False):

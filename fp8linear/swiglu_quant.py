@@ -13,21 +13,14 @@ Activation scales come as ``scale_t`` [d/128, ld], as from ``rms_norm_quant``
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .norm_quant import _buffers, _check_x, _quantize_into
-from .quant import BLOCK
+from .quant import BLOCK, silu_mul_reference
 
 
 def _check(x):
     _check_x(x, "[M, 2 * d]", 2 * BLOCK, "SiLU-and-mul + quantization",
              " (two halves of whole 128-channel groups)")
-
-
-def silu_mul_reference(x: torch.Tensor) -> torch.Tensor:
-    """vLLM's SiluAndMul.forward_native."""
-    d = x.shape[-1] // 2
-    return F.silu(x[..., :d]) * x[..., d:]
 
 
 def _op_impl(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/ (triton_interpreter)
 import triton_interpreter  # noqa: E402
 
+import fp8linear  # noqa: E402
 from fp8linear import moe_routing as mr  # noqa: E402
 from fp8linear.backends import reference  # noqa: E402
 from fp8linear.moe import moe_reference  # noqa: E402
@@ -49,7 +50,10 @@ def check_stages(m, k, e, tile, routing, away, device):
     q0, s0 = mr.gather_quant(x, want)
     small = got.rows <= 400 or device != "cpu"  # (the interpreter's time grows with rows)
     gate_up = (torch.randn(got.rows, 1536, generator=gen) * 2).to(torch.bfloat16).to(device)
-    hq0, hs0 = mr.silu_mul_quant_rows(gate_up, want)
+    # the dense SiLU-and-mul op on that device (its Triton kernel on a GPU: the same bits as
+    # the MoE one, where torch's silu may differ by a last bit; the reference on the CPU)
+    hq0, hs_t = fp8linear.silu_mul_quant(gate_up)
+    hs0 = hs_t[:, :gate_up.shape[0]].t()
     # (wide: 16 (row, group) pairs a program, as from WIDE_MIN_PAIRS pairs)
     for groups, wide in ((None, False), (1, False), (4, False), (None, True))[:4 if small else 1]:
         with mock.patch.object(tm, "WIDE_MIN_PAIRS", 0) if wide else contextlib.nullcontext():
