@@ -285,6 +285,11 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
     tile_coords(u, num_um, num_un, p.group_m, um, un);                            \
     return kGrouped ? grouped_unit(p.tile_expert, um, num_m, CLUSTER, rank)       \
                     : dense_unit();                                               \
+  };                                                                              \
+  /* kGrouped: M block mb is an expert's last tile whose rows from 64 on are */   \
+  /* padding (row_token -1): it needs only the first 64 rows' loads and MMAs */   \
+  [[maybe_unused]] auto half_tile = [&](int mb) {                                 \
+    return kGrouped && __ldg(p.row_token + size_t(mb) * BM + 64) < 0;             \
   };
 
   if (threadIdx.x == 0) {
@@ -407,9 +412,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
           const GroupedUnit gu = unit_expert(u);
           if (gu.expert < 0) continue;
           const int row0 = kSplitTail || kGrouped ? mb * BM : tile_row0<BM>(mb, p.M);
-          // (the math warpgroups' test of the same rows: a half tile, below)
-          const int a_boxes = !kGrouped ? 2 : !gu.own ? 0
-                              : __ldg(p.row_token + size_t(row0) + 64) < 0 ? 1 : 2;
+          const int a_boxes = !kGrouped ? 2 : !gu.own ? 0 : half_tile(mb) ? 1 : 2;
           for (int half = 0; half < kHalves; ++half)
             for (int kb = 0; kb < p.num_kb; ++kb)
               stage(kb, row0, nb, gu, half, u != first_unit || kb >= early, a_boxes);
@@ -758,12 +761,10 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
           for (int kb = 0; kb < (kSplitTail ? nkb : p.num_kb); ++kb) step_waves(bnd);
         }
       };
-      // kGrouped: an expert's last tile whose rows from 64 on are padding (row_token -1) keeps
-      // only the first math warpgroup's MMAs: the second waits out and frees each stage, and
-      // stores nothing (padding rows may hold anything; moe_routing.Stages); a CTA running
-      // idle in a pair (GroupedUnit) does so with both
-      if (kGrouped &&
-          (!gu.own || (wg == 1 && __ldg(p.row_token + size_t(mb) * BM + 64) < 0))) {
+      // kGrouped: a half tile keeps only the first math warpgroup's MMAs: the second waits
+      // out and frees each stage, and stores nothing (padding rows may hold anything;
+      // moe_routing.Stages); a CTA running idle in a pair (GroupedUnit) does so with both
+      if (kGrouped && (!gu.own || (wg == 1 && half_tile(mb)))) {
         for (int kb = 0; kb < kHalves * p.num_kb; ++kb) {
           mbar_wait(&full[s], phase);
           release(s);
