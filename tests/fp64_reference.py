@@ -10,6 +10,8 @@ import torch
 B = 128
 E4M3_MAX = 448.0
 EPS = 1e-10
+# half an ulp, relative: the most that rounding a value to the dtype can change it
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}
 
 
 def e4m3_round(v: torch.Tensor) -> torch.Tensor:

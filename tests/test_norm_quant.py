@@ -8,7 +8,6 @@ on both."""
 from __future__ import annotations
 
 import operator
-import re
 import sys
 from pathlib import Path
 
@@ -16,17 +15,14 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # (also as the interpreter script)
+import fp64_reference as R  # noqa: E402
 import triton_interpreter  # noqa: E402
+from expect import raises_exactly  # noqa: E402
 
 import fp8linear  # noqa: E402
 from fp8linear import norm_quant as nq  # noqa: E402
 
 CUDA = torch.cuda.is_available()
-UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
-
-
-def raises_exactly(msg: str):
-    return pytest.raises(ValueError, match=f"^{re.escape(msg)}$")
 
 
 def _data(m, k, dtype=torch.bfloat16, device="cpu", seed=0):
@@ -70,9 +66,9 @@ def test_reference_path_quantizes_the_rms_norm(m, k, residual, weight, dtype, w_
     # roundings: to the weight's dtype and the product in it, then to x's dtype (a no-op when
     # the dtypes are the same); without a weight, to x's dtype once
     if w is None:
-        bound = UNIT_ROUNDOFF[dtype]
+        bound = R.UNIT_ROUNDOFF[dtype]
     else:
-        bound = 2 * UNIT_ROUNDOFF[w_dtype] + (UNIT_ROUNDOFF[dtype] if w_dtype != dtype else 0)
+        bound = 2 * R.UNIT_ROUNDOFF[w_dtype] + (R.UNIT_ROUNDOFF[dtype] if w_dtype != dtype else 0)
     bound *= 1.01   # (the fp32 mean and rsqrt)
     assert ((y.double() - y64).abs() <= bound * y64.abs() + 1e-30).all()
     if residual:
@@ -83,32 +79,33 @@ def test_reference_path_quantizes_the_rms_norm(m, k, residual, weight, dtype, w_
 
 def test_bad_inputs_are_named():
     x, res, w = _data(4, 256)
-    with raises_exactly("x has 144 channels: the fused norm + quantization needs a multiple "
-                        "of 128"):
+    with raises_exactly(ValueError, "x has 144 channels: the fused norm + quantization needs a "
+                                    "multiple of 128"):
         nq.rms_norm_quant(x[:, :144].contiguous(), w[:144], 1e-6)
-    with raises_exactly("x must be bf16 or fp16, got torch.float32"):
+    with raises_exactly(ValueError, "x must be bf16 or fp16, got torch.float32"):
         nq.rms_norm_quant(x.float(), w, 1e-6)
-    with raises_exactly("x must be contiguous, got strides (512, 2)"):
+    with raises_exactly(ValueError, "x must be contiguous, got strides (512, 2)"):
         nq.rms_norm_quant(torch.cat([x, x], 1)[:, ::2], w, 1e-6)
-    with raises_exactly("x must be a 2-D [M, K] tensor, got shape (256,)"):
+    with raises_exactly(ValueError, "x must be a 2-D [M, K] tensor, got shape (256,)"):
         nq.rms_norm_quant(x[0], w, 1e-6)
-    with raises_exactly("x must be a 2-D [M, K] tensor, got list"):
+    with raises_exactly(ValueError, "x must be a 2-D [M, K] tensor, got list"):
         nq.rms_norm_quant([1.0], w, 1e-6)
-    with raises_exactly("residual must have shape (4, 256), got (2, 256)"):
+    with raises_exactly(ValueError, "residual must have shape (4, 256), got (2, 256)"):
         nq.rms_norm_quant(x, w, 1e-6, residual=res[:2])
-    with raises_exactly("residual must have shape (4, 256), got list"):
+    with raises_exactly(ValueError, "residual must have shape (4, 256), got list"):
         nq.rms_norm_quant(x, w, 1e-6, residual=[1.0])
-    with raises_exactly("residual must have x's dtype (torch.bfloat16), got torch.float16"):
+    with raises_exactly(ValueError,
+                        "residual must have x's dtype (torch.bfloat16), got torch.float16"):
         nq.rms_norm_quant(x, w, 1e-6, residual=res.half())
-    with raises_exactly("residual is on meta but x is on cpu"):
+    with raises_exactly(ValueError, "residual is on meta but x is on cpu"):
         nq.rms_norm_quant(x, w, 1e-6, residual=res.to("meta"))
-    with raises_exactly("residual must be contiguous, got strides (1, 4)"):
+    with raises_exactly(ValueError, "residual must be contiguous, got strides (1, 4)"):
         nq.rms_norm_quant(x, w, 1e-6, residual=res.t().contiguous().t())
-    with raises_exactly("weight must have shape (256,), got (128,)"):
+    with raises_exactly(ValueError, "weight must have shape (256,), got (128,)"):
         nq.rms_norm_quant(x, w[:128], 1e-6)
-    with raises_exactly("weight must be bf16 or fp16, got torch.float32"):
+    with raises_exactly(ValueError, "weight must be bf16 or fp16, got torch.float32"):
         nq.rms_norm_quant(x, w.float(), 1e-6)
-    with raises_exactly("weight must be contiguous, got strides (2,)"):
+    with raises_exactly(ValueError, "weight must be contiguous, got strides (2,)"):
         nq.rms_norm_quant(x, torch.stack([w, w], 1)[:, 0], 1e-6)
 
 

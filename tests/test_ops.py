@@ -29,10 +29,6 @@ def make_operands(m, n, k, seed, per_row=False, bias_dtype=None):
     return a, a_s, w, w_s.contiguous(), bias
 
 
-# half an ulp, relative: the most that rounding the output to its dtype can add
-ROUNDING = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}
-
-
 def assert_close_to_reference(got: torch.Tensor, want: torch.Tensor):
     """got (in its dtype) against the fp64 reference: rel Frobenius error <= 2e-3 once the
     reference is rounded to the output dtype (the kernels round once, at the end); against
@@ -40,7 +36,7 @@ def assert_close_to_reference(got: torch.Tensor, want: torch.Tensor):
     of a few elements can be 3.9e-3 off by rounding alone)."""
     assert not torch.isnan(got).any()
     assert ref.rel_err(got, want.to(got.dtype)) <= TOL
-    assert ref.rel_err(got, want) <= TOL + ROUNDING[got.dtype]
+    assert ref.rel_err(got, want) <= TOL + ref.UNIT_ROUNDOFF[got.dtype]
 
 
 def poisoned(m, n, dtype):

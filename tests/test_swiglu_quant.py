@@ -8,7 +8,6 @@ on both."""
 from __future__ import annotations
 
 import operator
-import re
 import sys
 from pathlib import Path
 
@@ -16,18 +15,15 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # (also as the interpreter script)
+import fp64_reference as R  # noqa: E402
 import triton_interpreter  # noqa: E402
+from expect import raises_exactly  # noqa: E402
 
 import fp8linear  # noqa: E402
 from fp8linear import norm_quant as nq  # noqa: E402
 from fp8linear import swiglu_quant as smq  # noqa: E402
 
 CUDA = torch.cuda.is_available()
-UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
-
-
-def raises_exactly(msg: str):
-    return pytest.raises(ValueError, match=f"^{re.escape(msg)}$")
 
 
 def _data(m, d, dtype=torch.bfloat16, device="cpu", seed=0):
@@ -52,22 +48,22 @@ def test_reference_path_quantizes_silu_and_mul(m, d, dtype):
     gate, up = x[:, :d].double(), x[:, d:].double()
     y64 = gate / (1 + torch.exp(-gate)) * up
     assert y.dtype == dtype
-    bound = 2 * UNIT_ROUNDOFF[dtype] * 1.01
+    bound = 2 * R.UNIT_ROUNDOFF[dtype] * 1.01
     assert ((y.double() - y64).abs() <= bound * y64.abs() + 1e-30).all()
 
 
 def test_bad_inputs_are_named():
     x = _data(4, 256)
-    with raises_exactly("x has 384 channels: SiLU-and-mul + quantization needs a multiple of "
-                        "256 (two halves of whole 128-channel groups)"):
+    with raises_exactly(ValueError, "x has 384 channels: SiLU-and-mul + quantization needs a "
+                                    "multiple of 256 (two halves of whole 128-channel groups)"):
         fp8linear.silu_mul_quant(x[:, :384].contiguous())
-    with raises_exactly("x must be bf16 or fp16, got torch.float32"):
+    with raises_exactly(ValueError, "x must be bf16 or fp16, got torch.float32"):
         fp8linear.silu_mul_quant(x.float())
-    with raises_exactly("x must be contiguous, got strides (1024, 2)"):
+    with raises_exactly(ValueError, "x must be contiguous, got strides (1024, 2)"):
         fp8linear.silu_mul_quant(torch.cat([x, x], 1)[:, ::2])
-    with raises_exactly("x must be a 2-D [M, 2 * d] tensor, got shape (512,)"):
+    with raises_exactly(ValueError, "x must be a 2-D [M, 2 * d] tensor, got shape (512,)"):
         fp8linear.silu_mul_quant(x[0])
-    with raises_exactly("x must be a 2-D [M, 2 * d] tensor, got list"):
+    with raises_exactly(ValueError, "x must be a 2-D [M, 2 * d] tensor, got list"):
         fp8linear.silu_mul_quant([1.0])
 
 

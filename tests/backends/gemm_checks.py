@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import re
 import zlib
 
 import pytest
@@ -64,11 +63,6 @@ FIXED = [
 # shapes only the Triton path takes (N % 8 or K % 16 nonzero)
 FIXED_UNALIGNED = [(1, 77, 100), (2, 3, 8), (5, 1001, 1037), (130, 129, 129), (1000, 300, 50),
                    (4, 1, 200), (2049, 4100, 1000)]
-
-
-def raises_exactly(exc, msg: str):
-    """pytest.raises for exc with exactly this message."""
-    return pytest.raises(exc, match=f"^{re.escape(msg)}$")
 
 
 def case_seed(*parts) -> int:

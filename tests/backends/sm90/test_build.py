@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from expect import raises_exactly
 from fp8linear.backends import dispatch
 from fp8linear.backends.sm90 import build, library
 
@@ -36,10 +37,6 @@ CXX = shutil.which("c++") or shutil.which("g++")
 needs_cxx = pytest.mark.skipif(CXX is None, reason="no C++ compiler")
 FALLBACK = "; falling back to the Triton path"
 NVCC_MISSING = "fp8linear: nvcc not found (set CUDA_HOME or install the CUDA toolkit)"
-
-
-def raises_exactly(exc, message: str):
-    return pytest.raises(exc, match=rf"\A{re.escape(message)}\Z")
 
 
 def make_csrc(root: Path) -> Path:

@@ -16,9 +16,10 @@ from fp8linear.backends.sm90 import plan as sm90_plan
 from fp8linear.backends.sm90.tiles import DECODE_TILES, GEMM_TILES
 from fp8linear.quant import cdiv
 
+from expect import raises_exactly
+
 from ..gemm_checks import (DEVICE, DTYPES, FIXED, assert_close, case_id, case_seed,
-                           check_case, gen_cases, make_data, poisoned, raises_exactly, reference,
-                           select_backend)
+                           check_case, gen_cases, make_data, poisoned, reference, select_backend)
 
 def _sm90_only(cases: list[dict]) -> list[dict]:
     """The cases with 16-bit outputs (fp32 ones would go to the Triton path)."""

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from expect import raises_exactly
 from fp8linear.backends.sm90 import launch, plan, tiles
 from fp8linear.backends.sm90.plan import DecodePlan, GemmPlan
 from fp8linear.backends.sm90.tiles import DECODE_TILES, GEMM_TILES, SMEM_PER_CTA
@@ -17,11 +18,6 @@ from fp8linear.quant import cdiv
 
 SMS = 132
 REPO = Path(__file__).resolve().parents[3]
-
-
-def forced_error(msg: str):
-    """pytest.raises for forced()'s ValueError with exactly this message."""
-    return pytest.raises(ValueError, match=f"^{re.escape(msg)}$")
 
 
 @pytest.mark.parametrize("m,n,k,config", [
@@ -92,18 +88,19 @@ def test_forced_gemm_config():
         p = plan.choose(1, 4096, 4096, SMS)       # any M, even decode sizes
         assert p == GemmPlan(2) and p.rule == "forced-config"
     assert plan.choose(1, 4096, 4096, SMS).kind == "decode"   # and only inside the block
-    with forced_error(f"forced gemm_config={len(GEMM_TILES)}: expected one of "
-                      f"range(0, {len(GEMM_TILES)})"):
+    with raises_exactly(ValueError, f"forced gemm_config={len(GEMM_TILES)}: expected one of "
+                                    f"range(0, {len(GEMM_TILES)})"):
         with plan.forced(gemm_config=len(GEMM_TILES)):
             pass
-    with forced_error(f"forced gemm_config=True: expected one of range(0, {len(GEMM_TILES)})"):
+    with raises_exactly(ValueError, f"forced gemm_config=True: expected one of "
+                                    f"range(0, {len(GEMM_TILES)})"):
         with plan.forced(gemm_config=True):        # a bool is no tile id, though True == 1
             pass
 
 
 def test_forced_rejects_a_bad_value_before_changing_anything():
     with plan.forced(decode_rows=80):
-        with forced_error("forced decode_splits=0: expected one of range(1, 1025)"):
+        with raises_exactly(ValueError, "forced decode_splits=0: expected one of range(1, 1025)"):
             with plan.forced(decode_splits=0):
                 pass
         assert plan.current().decode_rows == 80 and plan.current().decode_splits is None
@@ -246,8 +243,8 @@ def test_decode_rows_and_splits_forced():
                 with plan.forced(decode_rows=80, decode_ctas=2):
                     p = plan.choose(1, 4096, 4096, SMS)
                     assert (p.ctas_per_sm, p.rows) == (1, 80)      # fewer rows: one CTA an SM
-    with forced_error("forced decode_rows=48: expected one of "
-                      "(64, 72, 80, 88, 96, 104, 112, 120, 128)"):
+    with raises_exactly(ValueError, "forced decode_rows=48: expected one of "
+                                    "(64, 72, 80, 88, 96, 104, 112, 120, 128)"):
         with plan.forced(decode_rows=48):
             pass
 
@@ -260,7 +257,7 @@ def test_decode_ctas_forced():
         assert plan.choose(32, 7168, 16384, SMS).ctas_per_sm == 2
         with plan.forced(decode_max_m=64):
             assert plan.choose(64, 2112, 7168, SMS).ctas_per_sm == 1    # not for 64-token tiles
-    with forced_error("forced decode_ctas=3: expected one of (1, 2)"):
+    with raises_exactly(ValueError, "forced decode_ctas=3: expected one of (1, 2)"):
         with plan.forced(decode_ctas=3):
             pass
 
@@ -281,7 +278,7 @@ def test_decode_early_trigger(m, n, k, early):
     for v in (False, True):
         with plan.forced(decode_early_trigger=v):
             assert launch.decode_early_trigger(p, n_tiles, SMS) is v
-    with forced_error("forced decode_early_trigger='yes': expected True or False"):
+    with raises_exactly(ValueError, "forced decode_early_trigger='yes': expected True or False"):
         with plan.forced(decode_early_trigger="yes"):
             pass
 
@@ -310,7 +307,7 @@ def test_fuse_quant_only_small_slices(m, k, p, fused):
                                               and cdiv(cdiv(k, 128), p.splits)
                                               * (8 << p.config) * 128
                                               <= SMEM_PER_CTA[p.ctas_per_sm] // 4)
-    with forced_error("forced fuse_quant=2: expected True or False"):
+    with raises_exactly(ValueError, "forced fuse_quant=2: expected True or False"):
         with plan.forced(fuse_quant=2):
             pass
 
@@ -328,7 +325,8 @@ def test_decode_max_m_forced():
         p = plan.choose(64, 6144, 4096, SMS)
         assert p.kind == "decode" and p.config == 3       # 64-token tiles
     for bad in (0, 300, "x"):
-        with forced_error(f"forced decode_max_m={bad!r}: expected one of range(1, 257)"):
+        with raises_exactly(ValueError,
+                            f"forced decode_max_m={bad!r}: expected one of range(1, 257)"):
             with plan.forced(decode_max_m=bad):
                 pass
 
@@ -408,10 +406,10 @@ def test_gemm_early_weights_rule(m, k, config, after_quant, early):
             assert launch.gemm_early_weights(m, k, config, after_quant) == ring
     with plan.forced(gemm_early_b=False, gemm_early_stages=64):
         assert launch.gemm_early_weights(m, k, config, after_quant) == 0
-    with forced_error("forced gemm_early_b=2: expected True or False"):
+    with raises_exactly(ValueError, "forced gemm_early_b=2: expected True or False"):
         with plan.forced(gemm_early_b=2):
             pass
-    with forced_error("forced gemm_early_stages=0: expected one of range(1, 65)"):
+    with raises_exactly(ValueError, "forced gemm_early_stages=0: expected one of range(1, 65)"):
         with plan.forced(gemm_early_b=True, gemm_early_stages=0):
             pass
 
@@ -430,7 +428,7 @@ def test_gemm_group_m_rule(m, k, group):
     assert launch.gemm_group_m(m, k) == group
     with plan.forced(gemm_group_m=3):
         assert launch.gemm_group_m(m, k) == 3
-    with forced_error("forced gemm_group_m=0: expected one of range(1, 1025)"):
+    with raises_exactly(ValueError, "forced gemm_group_m=0: expected one of range(1, 1025)"):
         with plan.forced(gemm_group_m=0):
             pass
 
@@ -441,7 +439,7 @@ def test_gemm_pdl_forced():
         assert launch.gemm_pdl(True) is False
     with plan.forced(gemm_pdl=True):
         assert launch.gemm_pdl(False) is False      # never without PDL itself
-    with forced_error("forced gemm_pdl=0: expected True or False"):
+    with raises_exactly(ValueError, "forced gemm_pdl=0: expected True or False"):
         with plan.forced(gemm_pdl=0):
             pass
 
