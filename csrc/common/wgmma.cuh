@@ -33,6 +33,22 @@ __device__ __forceinline__ uint64_t make_smem_desc_sw128(const void* smem) {
   return desc;
 }
 
+// acc += P * row scale * column scale over a wgmma accumulator (P: one K block's product,
+// promoted into fp32 as DeepSeek-V3 does): a thread's 4 floats an 8-column group are rows
+// r, r + 8 (scales r0, r1) by columns c, c + 1 (scales cols[8 j + c], +1; c = 2 * (lane % 4)).
+template <int kRegs>
+__device__ __forceinline__ void promote_scaled(float (&acc)[kRegs], const float (&P)[kRegs],
+                                               float r0, float r1, const float* cols, int c) {
+#pragma unroll
+  for (int j = 0; j < kRegs / 4; ++j) {
+    const float c0 = cols[8 * j + c], c1 = cols[8 * j + c + 1];
+    acc[4 * j + 0] = fmaf(P[4 * j + 0], r0 * c0, acc[4 * j + 0]);
+    acc[4 * j + 1] = fmaf(P[4 * j + 1], r0 * c1, acc[4 * j + 1]);
+    acc[4 * j + 2] = fmaf(P[4 * j + 2], r1 * c0, acc[4 * j + 2]);
+    acc[4 * j + 3] = fmaf(P[4 * j + 3], r1 * c1, acc[4 * j + 3]);
+  }
+}
+
 template <int N>
 struct WgmmaFp8;  // D[64 x N] (+)= A[64 x 32] * B[N x 32]^T
 

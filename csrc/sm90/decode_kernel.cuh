@@ -477,15 +477,7 @@ __global__ void __launch_bounds__(decode_threads(kCtasPerSM), kCtasPerSM)
     } else {
       w0 = w1 = sWS[i];
     }
-    const float* xs = sXS + i * BT;
-#pragma unroll
-    for (int j = 0; j < kRegs / 4; ++j) {
-      const float x0 = xs[8 * j + cq], x1 = xs[8 * j + cq + 1];
-      acc[4 * j + 0] = fmaf(part[4 * j + 0], w0 * x0, acc[4 * j + 0]);
-      acc[4 * j + 1] = fmaf(part[4 * j + 1], w0 * x1, acc[4 * j + 1]);
-      acc[4 * j + 2] = fmaf(part[4 * j + 2], w1 * x0, acc[4 * j + 2]);
-      acc[4 * j + 3] = fmaf(part[4 * j + 3], w1 * x1, acc[4 * j + 3]);
-    }
+    promote_scaled(acc, part, w0, w1, sXS + i * BT, cq);
   }
 
   // 64 rows: warpgroup 0 adds warpgroup 1's partial (same rows, alternate K blocks), passed

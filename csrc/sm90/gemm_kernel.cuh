@@ -599,15 +599,7 @@ __global__ void __launch_bounds__(GemmSmem<BM, BN, STAGES>::kThreads, kLean ? 2 
     auto promote = [&](float(&acc)[kRegs], const float(&P)[kRegs], int st, float sa0, float sa1,
                        float lo, float hi, int boundary) {
       if constexpr (kPerRowB) {
-        const float* sb = sSB + st * BN;
-#pragma unroll
-        for (int j = 0; j < kRegs / 4; ++j) {
-          const float b0 = sb[8 * j + col_q], b1 = sb[8 * j + col_q + 1];
-          acc[4 * j + 0] = fmaf(P[4 * j + 0], sa0 * b0, acc[4 * j + 0]);
-          acc[4 * j + 1] = fmaf(P[4 * j + 1], sa0 * b1, acc[4 * j + 1]);
-          acc[4 * j + 2] = fmaf(P[4 * j + 2], sa1 * b0, acc[4 * j + 2]);
-          acc[4 * j + 3] = fmaf(P[4 * j + 3], sa1 * b1, acc[4 * j + 3]);
-        }
+        promote_scaled(acc, P, sa0, sa1, sSB + st * BN, col_q);
       } else {
         const float s0lo = sa0 * lo, s1lo = sa1 * lo, s0hi = sa0 * hi, s1hi = sa1 * hi;
         // BN = 192 tiles start at multiples of 192, so the boundary is 128 (even tiles) or 64
