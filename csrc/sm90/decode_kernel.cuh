@@ -23,9 +23,9 @@
 
 #include "common/ptx.cuh"
 #include "common/wgmma.cuh"
-#include "sm90/gemm_kernel.cuh"  // OutTraits, kBlockK
 #include "sm90/api.h"  // kIn* codes
 #include "sm90/moe_route.cuh"
+#include "sm90/operands.cuh"
 #include "sm90/quant.cuh"
 
 namespace fp8l {
