@@ -13,7 +13,7 @@ scale = amax / 448.
 
 Activation scales come as ``scale_t`` [K/128, ld], ld = M rounded up to 4: token m's scale of
 group g at ``scale_t[g, m]``, the column-major layout the Hopper kernels read in place
-(``scale_t[:, :M].t()`` is the [M, K/128] view ``block_fp8_gemm`` takes).
+(``quant.scale_view(scale_t, M)`` is the [M, K/128] view ``block_fp8_gemm`` takes).
 """
 from __future__ import annotations
 
@@ -145,8 +145,3 @@ def rms_norm_quant(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
     if torch.compiler.is_compiling():
         return add_norm_op(x, residual, weight, eps)
     return _add_norm_op_impl(x, residual, weight, eps)
-
-
-def scale_view(scale_t: torch.Tensor, m: int) -> torch.Tensor:
-    """The [M, K/128] activation-scale view of a ``scale_t`` buffer."""
-    return scale_t[:, :m].t()

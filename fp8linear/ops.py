@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .quant import BLOCK, FP8_DTYPE, cdiv, check_weight_scale_shape
+from .quant import BLOCK, FP8_DTYPE, cdiv, check_weight_scale_shape, scale_view
 from .backends import dispatch
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -147,7 +147,7 @@ def _gemm_scale_t_impl(a: torch.Tensor, scale_t: torch.Tensor, w: torch.Tensor,
     # block_fp8_gemm with the activation scales as fp8linear.norm_quant writes them:
     # scale_t [K/128, ld], token m's at [g, m] (custom ops cannot take or return views, so
     # the [M, K/128] view is made here)
-    return _gemm_impl(a, scale_t[:, :a.shape[0]].t(), w, w_scale, bias, out_dtype)
+    return _gemm_impl(a, scale_view(scale_t, a.shape[0]), w, w_scale, bias, out_dtype)
 
 
 gemm_scale_t_op = torch.library.custom_op("fp8linear::block_fp8_gemm_scale_t",

@@ -27,6 +27,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def scale_view(scale_t: torch.Tensor, m: int) -> torch.Tensor:
+    """The [M, K/128] activation-scale view of a token-minor ``scale_t`` [K/128, ld] buffer
+    (token m's scale of group g at ``scale_t[g, m]``, as the Hopper kernels read it in place)."""
+    return scale_t[:, :m].t()
+
+
 def check_block_size(block, what: str = "block") -> None:
     """Only 128 is supported: the kernels hard-wire 128-wide K blocks (one TMA box row)."""
     sizes = tuple(block) if isinstance(block, (tuple, list)) else (block,)

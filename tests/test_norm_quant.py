@@ -21,6 +21,7 @@ from expect import raises_exactly  # noqa: E402
 
 import fp8linear  # noqa: E402
 from fp8linear import norm_quant as nq  # noqa: E402
+from fp8linear.quant import scale_view  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 
@@ -60,7 +61,7 @@ def test_reference_path_quantizes_the_rms_norm(m, k, residual, weight, dtype, w_
     qq, ss = fp8linear.quantize_activation(y)
     assert torch.equal(q.view(torch.uint8), qq.view(torch.uint8))
     assert scale_t.shape == (k // 128, (m + 3) // 4 * 4)
-    assert torch.equal(nq.scale_view(scale_t, m), ss)
+    assert torch.equal(scale_view(scale_t, m), ss)
     y64, h64 = rms_norm_fp64(x, res, w, 1e-6)
     assert y.dtype == dtype
     # roundings: to the weight's dtype and the product in it, then to x's dtype (a no-op when
@@ -143,7 +144,7 @@ def test_compiled_call_uses_the_custom_ops():
     for (q, s_t, r), residual in (((q1, s1, None), None), ((q2, s2, r2), res)):
         q0, s0, r0 = nq.rms_norm_quant(x, w, 1e-6, residual=residual)
         assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8))
-        assert torch.equal(nq.scale_view(s_t, 5), nq.scale_view(s0, 5))
+        assert torch.equal(scale_view(s_t, 5), scale_view(s0, 5))
         assert (r is None and r0 is None) or torch.equal(r, r0)
 
 
@@ -170,7 +171,7 @@ def check_kernel(m, k, residual, weight, groups, dtype=torch.bfloat16, device="c
     what = f"m={m} k={k} residual={residual} weight={weight} groups={groups} {dtype}"
     qq, ss = fp8linear.quantize_activation(y)
     assert torch.equal(q.view(torch.uint8), qq.view(torch.uint8)), what
-    assert torch.equal(nq.scale_view(scale_t, m), ss), what
+    assert torch.equal(scale_view(scale_t, m), ss), what
     ref_y, ref_r = nq.rms_norm_reference(x, res, w, 1e-6)
     err = ((y.float() - ref_y.float()).norm() / ref_y.float().norm()).item()
     assert err < 2e-3, (what, err)
@@ -190,7 +191,7 @@ def test_triton_kernel(m, k, residual, weight, groups):
     # the public entry point (PDL as configured) gives the same bits
     q2, s2, r2 = nq.rms_norm_quant(x, w, 1e-6, residual=res)
     assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
-    assert torch.equal(nq.scale_view(s2, m), nq.scale_view(scale_t, m))
+    assert torch.equal(scale_view(s2, m), scale_view(scale_t, m))
 
 
 # (m, k, residual, weight, groups, dtype): below 32 rows 4 groups a program (a row split over

@@ -22,6 +22,7 @@ from expect import raises_exactly  # noqa: E402
 import fp8linear  # noqa: E402
 from fp8linear import norm_quant as nq  # noqa: E402
 from fp8linear import swiglu_quant as smq  # noqa: E402
+from fp8linear.quant import scale_view  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 
@@ -44,7 +45,7 @@ def test_reference_path_quantizes_silu_and_mul(m, d, dtype):
     assert q.shape == (m, d) and q.dtype == fp8linear.FP8_DTYPE
     assert torch.equal(q.view(torch.uint8), qq.view(torch.uint8))
     assert scale_t.shape == (d // 128, (m + 3) // 4 * 4)
-    assert torch.equal(nq.scale_view(scale_t, m), ss)
+    assert torch.equal(scale_view(scale_t, m), ss)
     gate, up = x[:, :d].double(), x[:, d:].double()
     y64 = gate / (1 + torch.exp(-gate)) * up
     assert y.dtype == dtype
@@ -95,7 +96,7 @@ def test_compiled_call_uses_the_custom_op():
         == set(), calls
     q0, s0 = fp8linear.silu_mul_quant(x)
     assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8))
-    assert torch.equal(nq.scale_view(scale_t, 5), nq.scale_view(s0, 5))
+    assert torch.equal(scale_view(scale_t, 5), scale_view(s0, 5))
 
 
 # ---------------------------------------------------------------- the Triton kernel
@@ -116,7 +117,7 @@ def check_kernel(m, d, dtype, groups=None, device="cuda", pdl=True):
     what = f"m={m} d={d} {dtype} groups={groups}"
     qq, ss = fp8linear.quantize_activation(y)
     assert torch.equal(q.view(torch.uint8), qq.view(torch.uint8)), what
-    assert torch.equal(nq.scale_view(scale_t, m), ss), what
+    assert torch.equal(scale_view(scale_t, m), ss), what
     ref = smq.silu_mul_reference(x)            # torch's silu and multiply on that device
     err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
     assert err < 1e-3, (what, err)
@@ -134,7 +135,7 @@ def test_triton_kernel(m, d, dtype):
     # the public entry point (PDL as configured) gives the same bits
     q2, s2 = fp8linear.silu_mul_quant(x)
     assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
-    assert torch.equal(nq.scale_view(s2, m), nq.scale_view(scale_t, m))
+    assert torch.equal(scale_view(s2, m), scale_view(scale_t, m))
 
 
 # (m, d, dtype, groups): below 32 rows 4 groups a program (masked groups where d < 512, two

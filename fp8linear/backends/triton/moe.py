@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from ...moe_routing import Routing, max_tiles
-from ...quant import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX, cdiv
+from ...quant import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX, cdiv, scale_view
 from . import swiglu_quant
 from .norm_quant import pdl_acquire, pdl_available, pdl_release
 from .quant import needs_round_first, quant_group
@@ -292,7 +292,7 @@ def sorted_buffers(r: Routing, k: int, device):
     scale_t = torch.empty(cdiv(k, BLOCK), cdiv(r.rows, 4) * 4, dtype=torch.float32,
                           device=device)
     return (torch.empty(r.rows, k, dtype=FP8_DTYPE, device=device), scale_t,
-            scale_t[:, :r.rows].t())
+            scale_view(scale_t, r.rows))
 
 
 # The gather and SiLU-and-mul programs take (row, 128-channel group) pairs: from 4096 pairs

@@ -16,9 +16,9 @@ import triton_interpreter  # noqa: E402
 
 import fp8linear  # noqa: E402
 from fp8linear import moe_routing as mr  # noqa: E402
-from fp8linear import norm_quant as nq  # noqa: E402
 from fp8linear.backends import reference  # noqa: E402
 from fp8linear.moe import moe_reference  # noqa: E402
+from fp8linear.quant import scale_view  # noqa: E402
 from moe_cases import experts, topk_ids  # noqa: E402
 
 # (M, top_k, experts, token tile, routing); 200 x 2 slots: pass 2 over several 128-slot steps
@@ -54,7 +54,7 @@ def check_stages(m, k, e, tile, routing, away, device):
     # the dense SiLU-and-mul op on that device (its Triton kernel on a GPU: the same bits as
     # the MoE one, where torch's silu may differ by a last bit; the reference on the CPU)
     hq0, hs_t = fp8linear.silu_mul_quant(gate_up)
-    hs0 = nq.scale_view(hs_t, gate_up.shape[0])
+    hs0 = scale_view(hs_t, gate_up.shape[0])
     # (wide: 16 (row, group) pairs a program, as from WIDE_MIN_PAIRS pairs)
     for groups, wide in ((None, False), (1, False), (4, False), (None, True))[:4 if small else 1]:
         with mock.patch.object(tm, "WIDE_MIN_PAIRS", 0) if wide else contextlib.nullcontext():
