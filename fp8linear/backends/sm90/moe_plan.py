@@ -105,7 +105,8 @@ def choose(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int,
         tiles = slots if slot_tiles else active * cdiv(per_expert, bt)
         gate_up = decode_gemm(2 * inter, hidden, tiles, ctas, sms, slot_tiles, window)
         down = decode_gemm(hidden, inter, tiles, ctas, sms, slot_tiles, window)
-        taken = [("moe-split-fill", True)]
+        taken = [("moe-split-fill", True),
+                 ("moe-slot-three", 3 in (gate_up.ctas_per_sm, down.ctas_per_sm))]
     # moe-pdl: both GEMMs launch under PDL and stream their experts' weights while the kernel
     # before them runs (reading their activations after their own wait)
     taken.append(("moe-pdl", True))
@@ -124,15 +125,12 @@ def choose(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int,
 
 
 def token_tile_want(per_expert: int, hidden: int) -> tuple[float, str]:
-    """The tokens a decode tile should hold, and the rule that says so (moe-token-tile*: more
-    tokens pad tensor-core work, fewer split an expert over tiles that each stream its weights).
-    moe-token-tile-2x: wide experts with >= 16 tokens each twice that, so that the experts
-    routed more than the mean still stream their weights once. moe-token-tile-spread: below
-    that, the mean plus 1.25 standard deviations of an expert's near-Poisson tokens (its
-    square root) for hidden >= 4096 and one for narrower experts, so that few of them stream
-    their weights twice (wide: 16-token tiles from 6 an expert, 32 from 12, 2-35% faster than
-    the mean's tile there, and the mean's tile at 4; Qwen3-30B-A3B at 16 an expert 32-token
-    tiles 6% faster, at 12 16-token tiles 5% faster than 32)."""
+    """The tokens a decode tile should hold, and the rule that says so. moe-token-tile: more
+    tokens pad tensor-core work, fewer split an expert over tiles that each stream its weights.
+    moe-token-tile-2x: wide experts with >= 16 tokens each, twice the mean, so that the experts
+    routed past it still stream their weights once. moe-token-tile-spread: below that, the
+    mean plus 1.25 standard deviations of an expert's near-Poisson tokens (hidden >= 4096; one
+    below), for the same reason."""
     wide = hidden >= TILE_2X_MIN_HIDDEN
     if wide and per_expert >= TILE_2X_MIN_TOKENS:
         return 2 * per_expert, "moe-token-tile-2x"
@@ -141,52 +139,41 @@ def token_tile_want(per_expert: int, hidden: int) -> tuple[float, str]:
 
 
 def slot_tiles_take(m: int, slots: int, active: float, hidden: int, inter: int) -> bool:
-    """moe-slot-tiles: a tile a (token, slot) pair, no routing: the route, gather and
-    SiLU-and-mul launches go (~7 us; gate_up reads the token's row, down its pair's gate_up
-    row, each quantizing in the kernel), but pairs of the same expert read its weights again.
-    One token (its k experts are distinct), or where the expected rereads (pairs beyond the
-    active experts, 3 * H * I bytes each) are <= 30 MB (measured: 27 MB gains, 37-40 MB
-    lose)."""
+    """moe-slot-tiles: a tile a (token, slot) pair and no routing (three launches, not six),
+    where the experts' rereads it costs ((pairs - active experts) x 3·H·I bytes) are <= 30 MB,
+    and always for one token (its k experts are distinct)."""
     return m == 1 or (slots - active) * 3 * hidden * inter <= SLOT_TILES_MAX_REREAD_BYTES
 
 
 def prefill_kernel_takes(want: float, hidden: int, inter: int) -> bool:
     """moe-prefill: where the decode token tile would hold more than 32 tokens (one CTA an
-    SM: from 17 expected tokens an expert with hidden >= 4096, 27 below), 128-token tiles on
-    the persistent large-M kernel: its deep pipeline and one wave of CTAs walking all the
-    experts' tiles beat the decode kernel's one-tile CTAs, padding included (at 20 an expert
-    15-19% faster than 64-token decode tiles; at 16, against 32-token tiles, level to 2%
-    either way)."""
+    SM), 128-token tiles on the persistent large-M kernel: its deep pipeline and one wave of
+    CTAs over all the experts' tiles beat the decode kernel's one-tile CTAs, padding included."""
     return want > TWO_PER_SM_MAX_BT and prefill_takes(hidden, inter)
 
 
 def prefill_band(hidden: int, inter: int, per_expert: int) -> int:
-    """moe-prefill-band: experts whose gate_up weights pass the L2 by far, with >= 2 token
-    tiles each: the prefill kernel walks bands of 4 M blocks an N block, so that the CTAs
-    running together share an expert's weight tiles in L2 instead of each M block streaming
-    them from DRAM again (Mixtral from 1024 tokens 4-6% faster; experts of one tile lose with
-    bands: theirs hold other experts' tiles). 1: no bands."""
+    """moe-prefill-band: experts whose gate_up weights pass the L2 by far (>= 64 MB), with >= 2
+    token tiles each, walk bands of 4 M blocks an N block, so that the CTAs running together
+    share an expert's weight tiles in L2 (experts of one tile lose with bands). 1: no bands."""
     wide = 2 * inter * hidden >= PREFILL_BAND_MIN_BYTES
     return PREFILL_BAND if wide and per_expert >= 2 * PREFILL_TILE else 1
 
 
 def prefill_pairs_take(per_expert: int) -> bool:
-    """moe-prefill-pairs: from 128 expected tokens an expert (a whole M tile each: the layer
-    near compute-bound), 128x192 tiles in pairs along M multicasting the weight tile: 42%
-    fewer L2 bytes a FLOP, and the power cap then holds a higher clock (alone at the cap 4-11%
-    faster at 4096 tokens, level on Qwen3-30B-A3B; below, an expert's tile or two rarely share
-    a pair, and they lose 1-2%)."""
+    """moe-prefill-pairs: from 128 expected tokens an expert (whole M tiles: near compute-bound),
+    128x192 tiles in pairs along M multicasting the weight tile: fewer L2 bytes a FLOP, so a
+    higher clock at the power cap (below, an expert's one or two tiles rarely share a pair)."""
     return per_expert >= PREFILL_PAIRS_MIN_TOKENS
 
 
 def decode_gemm(n: int, k: int, tiles: float, ctas: int, sms: int, slot_tiles: bool,
                 window: int) -> GroupedGemmPlan:
     """A grouped GEMM on the decode kernel, ``tiles`` token tiles of n x k outputs.
-    moe-split-fill: split K until the expected CTAs fill the SMs' slots in one wave, keeping
-    >= 2 K blocks a split (the reduction pass costs more below that). moe-slot-kbs (slot
-    tiles): a CTA's quantized token slice (1 KB a K block) stays resident beside >= 2 weight
-    stages (16 KB each) in two CTAs' share of an SM: <= 64 K blocks a split (DeepSeek-V3's 56
-    run unsplit, Mixtral's 112 in 4 splits anyway); then moe-slot-three."""
+    moe-split-fill: split K until the expected CTAs fill the SMs' slots in one wave, >= 2 K
+    blocks a split (the reduction pass costs more below). moe-slot-kbs (slot tiles): <= 64 K
+    blocks a split, so that a CTA's quantized token slice stays resident beside >= 2 weight
+    stages in two CTAs' share of an SM; then moe-slot-three."""
     num_kb = cdiv(k, BLOCK)
     grid = max(1.0, cdiv(n, ROWS) * tiles)
     splits = max(1, min(int(ctas * sms // grid), num_kb // 2))
@@ -198,9 +185,8 @@ def decode_gemm(n: int, k: int, tiles: float, ctas: int, sms: int, slot_tiles: b
 
 
 def parallel_route_takes(slots: int) -> bool:
-    """moe-route-parallel: from 256 (token, slot) pairs, the routing's three parallel launches
-    (count, scan, place) instead of the one-program route, whose serial walk over the slots
-    grows with them (measured crossover 128-512)."""
+    """moe-route-parallel: from 256 (token, slot) pairs the routing's three parallel launches
+    (count, scan, place), not the one-program route whose serial walk grows with the slots."""
     return slots >= PARALLEL_ROUTE_MIN_SLOTS
 
 
@@ -210,46 +196,37 @@ def ctas_per_sm(token_tile: int) -> int:
 
 
 def slot_three_takes(ctas: int, sms: int, kbs: int) -> bool:
-    """moe-slot-three: a slot-tile GEMM runs three CTAs an SM (288 threads, 72 registers)
-    where that takes its CTAs in fewer waves than two an SM do, and a split's K blocks
-    (<= 32: its 33 KB resident quantized tile beside 2 weight stages) fit a third of the SM
-    (Qwen3-30B-A3B 3 tokens 41.7 -> 31.7 us, 4 46.1 -> 42.0; at as many waves, and below two
-    CTAs an SM's one wave, the two-CTA kernel's deeper ring and 8-load batches win)."""
+    """moe-slot-three: a slot-tile GEMM runs three CTAs an SM where that takes its CTAs in
+    fewer waves than two an SM do and a split's <= 32 K blocks fit a third of the SM (at as
+    many waves the two-CTA kernel's deeper ring wins)."""
     return kbs <= SLOT_THREE_MAX_KBS and cdiv(ctas, 3 * sms) < cdiv(ctas, 2 * sms)
 
 
 def decode_window(ctas: int, slot_tiles: bool) -> int:
     """moe-decode-window: sorted tiles two CTAs an SM keep 4 weight stages in flight a CTA,
-    not the dense decode's 2 (its activations wait behind queued weights; here the weight
-    stream is the layer: 1-2% faster); slot tiles keep the kernel's 2 (4: M = 1 slower).
-    -1: the kernel's rule."""
+    not the dense decode's 2 (here the weight stream is the layer); slot tiles keep the
+    kernel's 2. -1: the kernel's rule."""
     return SORTED_WINDOW if ctas == 2 and not slot_tiles else -1
 
 
 def tile_route_takes(prefill: bool, slot_tiles: bool) -> bool:
-    """moe-tile-route: the decode kernel's sorted tiles (the layer with a routing, not the
-    prefill kernel's): gate_up's first-wave CTAs count the ids' slots an expert and find their
-    tile's expert themselves, so the routing's completion no longer gates gate_up's weight
-    stream (the layer waited 5-9 us for the routing at few tokens an expert; this takes ~2)."""
+    """moe-tile-route: the decode kernel's sorted tiles: gate_up's first-wave CTAs find their
+    tile's expert from the ids themselves, so the routing's completion no longer gates
+    gate_up's weight stream."""
     return not prefill and not slot_tiles
 
 
 def down_route_takes(prefill: bool, slot_tiles: bool) -> bool:
     """moe-down-route: the decode kernel's sorted tiles: down's first-wave CTAs find their
-    tiles' experts from the ids too, and the SiLU-and-mul launch lets down launch at its start,
-    so that down's weights stream while gate_up's last CTAs and SiLU-and-mul run, not after
-    (Qwen3-30B-A3B 8 tokens 74.0 -> 70.7 us, 16-256 0.7-2.0% faster; the others level to
-    1.8%). The same tiles as moe-tile-route."""
+    tiles' experts from the ids too, so that down's weights stream while gate_up's last CTAs
+    and SiLU-and-mul run, not after them."""
     return tile_route_takes(prefill, slot_tiles)
 
 
 def token_rows_takes(tile_route: bool, hidden: int, token_tile: int) -> bool:
     """moe-token-rows: under moe-tile-route, gate_up over 8-token tiles of experts of hidden
-    <= 2048 reads its rows' tokens (bf16/fp16) and quantizes them itself, so no gather launch
-    sits between the routing and gate_up (Qwen3-30B-A3B 8-64 tokens 2.8-3.8% faster). Wider
-    experts lose or stay level: every row-block CTA of a tile quantizes its tokens again, and
-    the resident quantized tiles leave fewer weight stages (Qwen3-235B -0.9 to +1.4%,
-    DeepSeek-V3 -1.4 to +0.2%, Mixtral 2-7% slower)."""
+    <= 2048 reads its rows' tokens and quantizes them itself: no gather launch between the
+    routing and gate_up (wider experts quantize each token again in every row-block CTA)."""
     return tile_route and hidden <= TOKEN_ROWS_MAX_HIDDEN and token_tile == DECODE_TILES[0]
 
 

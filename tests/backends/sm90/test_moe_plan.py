@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 
@@ -119,6 +120,7 @@ def test_slot_tiles_run_three_ctas_an_sm_where_that_takes_fewer_waves(model, m, 
     e, k, h, i = MODELS[model]
     plan = choose(m, k, e, h, i, 132)
     assert plan.slot_tiles and (plan.gate_up.ctas_per_sm, plan.down.ctas_per_sm) == (gate_up, down)
+    assert ("moe-slot-three" in plan.rule.split("+")) == (3 in (gate_up, down))
     for g, n in ((plan.gate_up, 2 * i), (plan.down, h)):
         ctas = -(-n // 128) * m * k * g.splits
         assert (g.ctas_per_sm == 3) == (-(-ctas // 396) < -(-ctas // 264))
@@ -369,3 +371,13 @@ def test_parallel_routing_from_256_slots(m, k, parallel):
     want = triton_moe.route_parallel if parallel else triton_moe.route
     route = sm90_moe.stages(plan).route  # (moe-tile-route: with the early launches)
     assert route.func is want and route.keywords == {"early_next": plan.tile_route}
+
+
+def test_every_rule_a_plan_names_has_its_measurements_in_tuning_md():
+    # the rules carry a one-line reason; their measured history lives in docs/tuning.md
+    tuning = (Path(__file__).resolve().parents[3] / "docs" / "tuning.md").read_text()
+    named = {rule for e, k, h, i in [*MODELS.values(), (16, 4, 1024, 256)]
+             for m in (1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+             for rule in choose(m, k, e, h, i, 132).rule.split("+")}
+    assert {"moe-slot-tiles", "moe-slot-three", "moe-prefill", "moe-split-fill"} <= named
+    assert [r for r in sorted(named) if f"**{r}**" not in tuning] == []

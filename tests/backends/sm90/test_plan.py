@@ -470,3 +470,11 @@ def test_split_tail_parts():
     assert plan.split_tail_parts(4096, 6144, 4096, 132) == 0      # 32 x 32 = 1024: tail 100
     assert GEMM_TILES[15].split_tail and not any(GEMM_TILES[c].split_tail for c in range(15))
     assert plan.SPLIT_TAIL_CONFIG == 15
+
+
+def test_every_rule_has_its_measurements_in_tuning_md():
+    # each rule carries an id and a one-line reason; docs/tuning.md holds its measurements
+    tuning = (REPO / "docs" / "tuning.md").read_text()
+    rules = plan.RULES + plan.DECODE_YIELDS + plan.REFINEMENTS
+    assert all(r.reason and "\n" not in r.reason for r in rules)
+    assert [r.id for r in rules if f"**{r.id}**" not in tuning] == []

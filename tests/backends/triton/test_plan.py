@@ -4,6 +4,7 @@ and split-K on an H100 profile, and the split of the kernels that quantize their
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -82,3 +83,9 @@ def test_fused_quant_early_trigger_rule():
     with pytest.raises(ValueError, match=f"^{re.escape(msg)}$"):
         with plan.forced(fused_quant_early_trigger="yes"):
             pass
+
+
+def test_every_rule_has_its_measurements_in_tuning_md():
+    tuning = (Path(__file__).resolve().parents[3] / "docs" / "tuning.md").read_text()
+    assert all(r.reason and "\n" not in r.reason for r in plan.TILE_RULES)
+    assert [r.id for r in plan.TILE_RULES if f"**{r.id}**" not in tuning] == []
