@@ -147,10 +147,12 @@ def m_major_scales(a_scale, m: int):
     place: strides (1, ld), ld = M rounded up to 4 (16-byte TMA rows); DeepGEMM's own helper
     makes exactly this."""
     import torch
+    from fp8linear.quant import scale_view
     ld = -(-m // 4) * 4
     buf = torch.empty(a_scale.shape[1], ld, dtype=torch.float32, device=a_scale.device)
-    buf[:, :m].copy_(a_scale.t())
-    return buf[:, :m].t()
+    view = scale_view(buf, m)
+    view.copy_(a_scale)
+    return view
 
 
 def min_bytes(m: int, n: int, k: int, weight_bytes: int, a_bytes_per_el: float = 1.0,
