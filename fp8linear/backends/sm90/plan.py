@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 from ...quant import BLOCK, cdiv
+from ..rules import Rule, rule_in
 from .tiles import DECODE_TILES, GEMM_TILES
 
 
@@ -154,23 +155,9 @@ class Problem:
                 or o.decode_splits is not None or o.decode_ctas is not None)
 
 
-@dataclass(frozen=True)
-class Rule:
-    id: str
-    reason: str
-    pick: Callable
-
-
 RULES: list[Rule] = []        # Problem -> Plan | None, in order
 DECODE_YIELDS: list[Rule] = []  # (Problem, DecodePlan) -> True: the large-M rules decide
 REFINEMENTS: list[Rule] = []  # (Problem, config) -> config | None, on the cost model's pick
-
-
-def _rule(table: list, id: str, reason: str):
-    def add(fn):
-        table.append(Rule(id, reason, fn))
-        return fn
-    return add
 
 
 def choose(m: int, n: int, k: int, sms: int, after_quant: bool = False) -> Plan:
@@ -234,14 +221,14 @@ def split_tail_parts(m: int, n: int, k: int, sms: int) -> int:
 
 
 # ---------------------------------------------------------------------------- the rules
-@_rule(RULES, "forced-config", "an override: the large-M kernel with the forced tile")
+@rule_in(RULES, "forced-config", "an override: the large-M kernel with the forced tile")
 def _forced_config(p):
     c = p.over.gemm_config
     return None if c is None else GemmPlan(c)
 
 
-@_rule(RULES, "tiles-17-32-short-k",
-       "17-32 tokens over <= 32 K blocks: one wave of 64x64 (or 64x48) tiles beats decode")
+@rule_in(RULES, "tiles-17-32-short-k",
+         "17-32 tokens over <= 32 K blocks: one wave of 64x64 (or 64x48) tiles beats decode")
 def _tiles_17_32_short_k(p):
     tiles64 = cdiv(p.m, 64) * cdiv(p.n, 64)
     if (T16 < p.m <= min(T32, p.decode_max) and p.num_kb <= 32 and tiles64 <= p.sms
@@ -250,8 +237,8 @@ def _tiles_17_32_short_k(p):
     return None
 
 
-@_rule(RULES, "tiles-64x32-one-wave",
-       "8-32 tokens where one wave of 64x32 tiles fills >= 3/4 of the SMs: no split reduction")
+@rule_in(RULES, "tiles-64x32-one-wave",
+         "8-32 tokens where one wave of 64x32 tiles fills >= 3/4 of the SMs: no split reduction")
 def _tiles_64x32_one_wave(p):
     if (T8 <= p.m <= T32 and 3 * p.sms <= 4 * cdiv(p.n, 32) <= 4 * p.sms
             and not p.decode_knobs):
@@ -259,8 +246,8 @@ def _tiles_64x32_one_wave(p):
     return None
 
 
-@_rule(RULES, "decode",
-       "up to 32 tokens (or few weight rows at 33-64) reading the weights once is the cost")
+@rule_in(RULES, "decode",
+         "up to 32 tokens (or few weight rows at 33-64) reading the weights once is the cost")
 def _decode(p):
     if not (p.m <= p.decode_max or _few_rows(p)):
         return None
@@ -330,16 +317,16 @@ def _decode_four_splits(num_kb: int, tiles: int, splits: int, sms: int):
 TILES_OVER_DECODE_MIN_BYTES = 100_000_000
 
 
-@_rule(DECODE_YIELDS, "decode-yields-17-32",
-       "17-32 tokens, unsplit decode grid, short K ranges or >= 100 MB of weights: tiles win "
-       "after a kernel, as in a model")
+@rule_in(DECODE_YIELDS, "decode-yields-17-32",
+         "17-32 tokens, unsplit decode grid, short K ranges or >= 100 MB of weights: tiles win "
+         "after a kernel, as in a model")
 def _yield_17_32(p, d):
     return (d.splits == 1 and not p.decode_knobs and T16 < p.m <= T32
             and (p.num_kb <= 12 or p.n * p.k >= TILES_OVER_DECODE_MIN_BYTES))
 
 
-@_rule(DECODE_YIELDS, "decode-yields-multi-wave",
-       "2-32 tokens where the unsplit decode grid takes more than one wave")
+@rule_in(DECODE_YIELDS, "decode-yields-multi-wave",
+         "2-32 tokens where the unsplit decode grid takes more than one wave")
 def _yield_multi_wave(p, d):
     tiles = cdiv(p.n, d.rows) * cdiv(p.m, d.token_tile)
     return (d.splits == 1 and not p.decode_knobs and 2 <= p.m <= T32
@@ -351,8 +338,8 @@ def _midm(p) -> bool:
     return cdiv(p.m, 128) * cdiv(p.n, 128) < p.sms // 2
 
 
-@_rule(RULES, "midm-narrow-one-wave",
-       "33-128 tokens: one wave of 64x16 or 64x32 tiles puts more SMs on the weight stream")
+@rule_in(RULES, "midm-narrow-one-wave",
+         "33-128 tokens: one wave of 64x16 or 64x32 tiles puts more SMs on the weight stream")
 def _midm_narrow(p):
     if _midm(p) and T32 < p.m <= 128:
         for config, bn in ((9, 16), (8, 32)):
@@ -361,19 +348,19 @@ def _midm_narrow(p):
     return None
 
 
-@_rule(RULES, "midm-64x48-one-wave",
-       "<= 64 tokens where one wave of 64x48 tiles fills >= 90% of the SMs (N ~ 6K)")
+@rule_in(RULES, "midm-64x48-one-wave",
+         "<= 64 tokens where one wave of 64x48 tiles fills >= 90% of the SMs (N ~ 6K)")
 def _midm_64x48(p):
     return GemmPlan(12) if _midm(p) and _one_wave_of_64x48(p) else None
 
 
-@_rule(RULES, "midm-64x64-one-wave", "few tiles: 64x64 while they fit one wave")
+@rule_in(RULES, "midm-64x64-one-wave", "few tiles: 64x64 while they fit one wave")
 def _midm_64x64(p):
     return GemmPlan(6) if _midm(p) and cdiv(p.m, 64) * cdiv(p.n, 64) <= p.sms else None
 
 
-@_rule(RULES, "midm-64x128-ragged-128",
-       "129+ tokens where 128-row tiles would leave rows empty and 64x128 fits one wave")
+@rule_in(RULES, "midm-64x128-ragged-128",
+         "129+ tokens where 128-row tiles would leave rows empty and 64x128 fits one wave")
 def _midm_64x128_ragged(p):
     if (_midm(p) and 128 < p.m and cdiv(p.m, 64) * 64 < cdiv(p.m, 128) * 128
             and cdiv(p.m, 64) * cdiv(p.n, 128) <= p.sms):
@@ -381,20 +368,20 @@ def _midm_64x128_ragged(p):
     return None
 
 
-@_rule(RULES, "midm-128x64-one-wave", "65+ tokens: one wave of 128x64 before 64x128")
+@rule_in(RULES, "midm-128x64-one-wave", "65+ tokens: one wave of 128x64 before 64x128")
 def _midm_128x64(p):
     if _midm(p) and p.m > 64 and cdiv(p.m, 128) * cdiv(p.n, 64) <= p.sms:
         return GemmPlan(7)
     return None
 
 
-@_rule(RULES, "midm-64x128", "otherwise among few tiles: 64x128")
+@rule_in(RULES, "midm-64x128", "otherwise among few tiles: 64x128")
 def _midm_64x128(p):
     return GemmPlan(1) if _midm(p) else None
 
 
-@_rule(RULES, "waves-x-area",
-       "the fewest waves x tile time among the candidates for this M, then the refinements")
+@rule_in(RULES, "waves-x-area",
+         "the fewest waves x tile time among the candidates for this M, then the refinements")
 def _waves(p):
     m = p.m
     candidates = ((0, 5, 3, 7) if m >= 512 else (0, 1, 5, 3, 7) if m >= 256
@@ -416,35 +403,35 @@ PAIR192_MIN_WEIGHTS = 1 << 27  # N x K elements
 PAIRS_OVER_192_MIN_M = 4096
 
 
-@_rule(REFINEMENTS, "pairs-192-big-weights",
-       "128x192 at >= 2048 tokens on >= 2^27 weights: pairs sharing the weight tile halve "
-       "its DRAM reads")
+@rule_in(REFINEMENTS, "pairs-192-big-weights",
+         "128x192 at >= 2048 tokens on >= 2^27 weights: pairs sharing the weight tile halve "
+         "its DRAM reads")
 def _pairs_192(p, best):
     if best == 3 and p.m >= PAIR192_MIN_M and p.n * p.k >= PAIR192_MIN_WEIGHTS:
         return 14
     return None
 
 
-@_rule(REFINEMENTS, "pairs-256-from-4096",
-       "128x192 from 4096 tokens with N in whole 256-column units: 256x128 pairs, faster "
-       "run for seconds at the power cap")
+@rule_in(REFINEMENTS, "pairs-256-from-4096",
+         "128x192 from 4096 tokens with N in whole 256-column units: 256x128 pairs, faster "
+         "run for seconds at the power cap")
 def _pairs_256(p, best):
     return 5 if best == 3 and p.m >= PAIRS_OVER_192_MIN_M and p.n % 256 == 0 else None
 
 
-@_rule(REFINEMENTS, "two-partials-short-k",
-       "256x128 pairs at 512-1024 tokens over <= 16 K blocks: 128x128 with two partials")
+@rule_in(REFINEMENTS, "two-partials-short-k",
+         "256x128 pairs at 512-1024 tokens over <= 16 K blocks: 128x128 with two partials")
 def _two_partials(p, best):
     return 13 if best == 5 and 512 <= p.m <= 1024 and p.num_kb <= 16 else None
 
 
-@_rule(REFINEMENTS, "split-tail", "128x192 with a ragged last wave over long K: split it")
+@rule_in(REFINEMENTS, "split-tail", "128x192 with a ragged last wave over long K: split it")
 def _split_tail(p, best):
     return 15 if best == 3 and split_tail_parts(p.m, p.n, p.k, p.sms) >= 2 else None
 
 
-@_rule(REFINEMENTS, "128x128-after-quant",
-       "64x128 at 129-192 tokens behind the quant kernel: 128x128 unless 1.3x its cost")
+@rule_in(REFINEMENTS, "128x128-after-quant",
+         "64x128 at 129-192 tokens behind the quant kernel: 128x128 unless 1.3x its cost")
 def _after_quant_128(p, best):
     if (best == 1 and p.after_quant and 128 < p.m <= 192
             and _waves_x_area(p, 0) <= 1.3 * _waves_x_area(p, 1)):
@@ -452,13 +439,13 @@ def _after_quant_128(p, best):
     return None
 
 
-@_rule(REFINEMENTS, "128x64-65-128",
-       "64x128 at 65-128 tokens: 128x64, the same count, one CTA reads each weight tile")
+@rule_in(REFINEMENTS, "128x64-65-128",
+         "64x128 at 65-128 tokens: 128x64, the same count, one CTA reads each weight tile")
 def _128x64(p, best):
     return 7 if best == 1 and 64 < p.m <= 128 else None
 
 
-@_rule(REFINEMENTS, "pairs-128-from-4096",
-       "128x128 from 4096 tokens: pairs multicasting the weight tile (less L2 traffic)")
+@rule_in(REFINEMENTS, "pairs-128-from-4096",
+         "128x128 from 4096 tokens: pairs multicasting the weight tile (less L2 traffic)")
 def _pairs_128(p, best):
     return 2 if best == 0 and p.m >= 4096 else None

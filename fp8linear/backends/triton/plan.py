@@ -8,11 +8,12 @@ import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from ...quant import BLOCK, cdiv
+from ..rules import Rule, rule_in
 
 
 @dataclass(frozen=True)
@@ -81,22 +82,8 @@ class Problem:
         return cdiv(self.k, BLOCK)
 
 
-@dataclass(frozen=True)
-class Rule:
-    id: str
-    reason: str
-    pick: Callable
-
-
 TILE_RULES: list[Rule] = []   # Problem -> TritonConfig | None: the first that answers decides
 ADJUSTMENTS: list[Rule] = []  # (Problem, TritonConfig) -> TritonConfig, applied in order
-
-
-def _rule(table: list, id: str, reason: str):
-    def add(fn):
-        table.append(Rule(id, reason, fn))
-        return fn
-    return add
 
 
 def choose(m: int, n: int, k: int, a_bytes: int, weight_only: bool,
@@ -110,8 +97,8 @@ def choose(m: int, n: int, k: int, a_bytes: int, weight_only: bool,
     return cfg
 
 
-@_rule(TILE_RULES, "triton-wide-short-k",
-       "very wide N over few K steps at <= 16 tokens: 4x fewer 256-column programs")
+@rule_in(TILE_RULES, "triton-wide-short-k",
+         "very wide N over few K steps at <= 16 tokens: 4x fewer 256-column programs")
 def _wide_short_k(p):
     if (p.m <= 16 and p.kb <= 12 and cdiv(p.n, 256) * 10 >= p.dev.sms * 7
             and (p.m <= 8 or p.kb <= 4)):
@@ -119,59 +106,59 @@ def _wide_short_k(p):
     return None
 
 
-@_rule(TILE_RULES, "triton-decode-narrow",
-       "<= 16 tokens: reading the weight is the cost; many narrow programs, deep pipelines")
+@rule_in(TILE_RULES, "triton-decode-narrow",
+         "<= 16 tokens: reading the weight is the cost; many narrow programs, deep pipelines")
 def _decode_narrow(p):
     return TritonConfig(16, 64, 4, 6) if p.m <= 16 else None
 
 
-@_rule(TILE_RULES, "triton-17-32", "17-32 tokens: 32x64 tiles")
+@rule_in(TILE_RULES, "triton-17-32", "17-32 tokens: 32x64 tiles")
 def _m17_32(p):
     return TritonConfig(32, 64, 4, 6) if p.m <= 32 else None
 
 
-@_rule(TILE_RULES, "triton-33-64", "33-64 tokens: 64x64, or 64x128 over short K")
+@rule_in(TILE_RULES, "triton-33-64", "33-64 tokens: 64x64, or 64x128 over short K")
 def _m33_64(p):
     if p.m > 64:
         return None
     return TritonConfig(64, 128, 4, 3) if p.kb <= 4 else TritonConfig(64, 64, 4, 5)
 
 
-@_rule(TILE_RULES, "triton-65-128",
-       "65-128 tokens: 64x128 with one warpgroup (the total and the block product fit)")
+@rule_in(TILE_RULES, "triton-65-128",
+         "65-128 tokens: 64x128 with one warpgroup (the total and the block product fit)")
 def _m65_128(p):
     return TritonConfig(64, 128, 4, 4) if p.m <= 128 else None
 
 
-@_rule(TILE_RULES, "triton-large-short-k",
-       "short K: 64x128 tiles with 4 warps, programs sharing an SM overlap their epilogues")
+@rule_in(TILE_RULES, "triton-large-short-k",
+         "short K: 64x128 tiles with 4 warps, programs sharing an SM overlap their epilogues")
 def _large_short_k(p):
     return TritonConfig(64, 128, 4, 3) if p.kb <= 4 else None
 
 
-@_rule(TILE_RULES, "triton-ragged-128x64",
-       "128x64 where 128-column tiles leave a ragged last wave (64-column ones 15% dearer)")
+@rule_in(TILE_RULES, "triton-ragged-128x64",
+         "128x64 where 128-column tiles leave a ragged last wave (64-column ones 15% dearer)")
 def _ragged(p):
     def cost(bm, bn, eff):
         return cdiv(cdiv(p.m, bm) * cdiv(p.n, bn), p.dev.sms) * bm * bn * eff
     return TritonConfig(128, 64, 4, 4) if cost(128, 64, 1.15) < cost(128, 128, 1.0) else None
 
 
-@_rule(TILE_RULES, "triton-large", "compute-bound: 128x128 with 8 warps")
+@rule_in(TILE_RULES, "triton-large", "compute-bound: 128x128 with 8 warps")
 def _large(p):
     return TritonConfig(128, 128, 8, 4)
 
 
-@_rule(ADJUSTMENTS, "triton-halve-width",
-       "too few 128-column tiles to fill the GPU: 64 columns before resorting to split-K")
+@rule_in(ADJUSTMENTS, "triton-halve-width",
+         "too few 128-column tiles to fill the GPU: 64 columns before resorting to split-K")
 def _halve_width(p, cfg):
     if cfg.bn == 128 and cdiv(p.m, cfg.bm) * cdiv(p.n, 128) < p.dev.sms:
         return cfg._replace(bn=64)
     return cfg
 
 
-@_rule(ADJUSTMENTS, "triton-stages",
-       "as many stages as the shared memory holds; shrink the tile until two fit")
+@rule_in(ADJUSTMENTS, "triton-stages",
+         "as many stages as the shared memory holds; shrink the tile until two fit")
 def _stages(p, cfg):
     def buffers_that_fit(c):
         stage = c.bm * 128 * p.a_bytes + 128 * c.bn          # A and W tiles of one K step
@@ -188,8 +175,8 @@ def _stages(p, cfg):
     return cfg._replace(stages=max(2, min(cfg.stages, buffers_that_fit(cfg) + extra_stage)))
 
 
-@_rule(ADJUSTMENTS, "triton-split-k",
-       "tiles that cannot fill the SMs: split K for ~two waves, >= 4 K blocks a split")
+@rule_in(ADJUSTMENTS, "triton-split-k",
+         "tiles that cannot fill the SMs: split K for ~two waves, >= 4 K blocks a split")
 def _split_k(p, cfg):
     # the fp32 workspace traffic (2 x split x M x N x 4 bytes) stays under a quarter of the
     # weight bytes; between half and all the SMs only for long K and few tokens
