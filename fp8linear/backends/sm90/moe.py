@@ -112,7 +112,8 @@ def stages(plan: MoePlan) -> Stages:
     # (moe-tile-route: gate_up reads no routing output before its wait)
     early = {"early_next": True} if plan.tile_route else {}
     return Stages(functools.partial(route, **early),
-                  functools.partial(triton_moe.gather_quant, **early), _grouped_gemm(plan),
+                  functools.partial(triton_moe.gather_quant, **early,
+                                    x_first=plan.gather_x_first), _grouped_gemm(plan),
                   functools.partial(triton_moe.silu_mul_quant, early_next=plan.down_route),
                   triton_moe.combine,
                   _gate_up_silu_quant(plan) if plan.fused_act else None, plan.token_rows)

@@ -63,6 +63,7 @@ class MoePlan:
     tile_route: bool = False      # moe-tile-route: gate_up finds its tiles' experts from the ids
     token_rows: bool = False      # moe-token-rows: gate_up reads the tokens' rows (no gather)
     down_route: bool = False      # moe-down-route: down finds its tiles' experts from the ids
+    gather_x_first: bool = False  # moe-gather-x-first: the gather quantizes x before its wait
     rule: str = dataclasses.field(default="", compare=False)
 
     @property
@@ -116,12 +117,13 @@ def choose(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int,
     token_rows = token_rows_takes(tile_route, hidden, bt)
     down_route = down_route_takes(prefill, slot_tiles)
     parallel = parallel_route_takes(slots)
+    x_first = gather_x_first_takes(prefill)
     taken += [("moe-prefill-fused-act", fused_act), ("moe-tile-route", tile_route),
               ("moe-token-rows", token_rows), ("moe-down-route", down_route),
-              ("moe-route-parallel", parallel)]
+              ("moe-route-parallel", parallel), ("moe-gather-x-first", x_first)]
     rule += "".join(f"+{name}" for name, on in taken if on)
     return MoePlan(config, gate_up, down, True, prefill, parallel, slot_tiles, fused_act,
-                   tile_route, token_rows, down_route, rule)
+                   tile_route, token_rows, down_route, x_first, rule)
 
 
 def token_tile_want(per_expert: int, hidden: int) -> tuple[float, str]:
@@ -221,6 +223,13 @@ def down_route_takes(prefill: bool, slot_tiles: bool) -> bool:
     tiles' experts from the ids too, so that down's weights stream while gate_up's last CTAs
     and SiLU-and-mul run, not after them."""
     return tile_route_takes(prefill, slot_tiles)
+
+
+def gather_x_first_takes(prefill: bool) -> bool:
+    """moe-gather-x-first: the prefill kernel's layers gather their tokens quantized before
+    the wait for the routing (x was written before it), so that only the stores wait; at
+    decode sizes, where gate_up launches at the gather's start, it bought nothing."""
+    return prefill
 
 
 def token_rows_takes(tile_route: bool, hidden: int, token_tile: int) -> bool:
@@ -348,7 +357,8 @@ def _apply_forced(plan: MoePlan, hidden: int, inter: int) -> MoePlan:
                                _forced.get("window", decode_window(ctas, plan.slot_tiles)))
     return MoePlan(config, g(plan.gate_up, hidden), g(plan.down, inter),
                    _forced.get("pdl", plan.pdl), prefill, plan.parallel_route, plan.slot_tiles,
-                   fused_act, tile_route, token_rows, down_route, "forced")
+                   fused_act, tile_route, token_rows, down_route, gather_x_first_takes(prefill),
+                   "forced")
 
 
 def for_call(m: int, top_k: int, experts: int, hidden: int, inter: int, sms: int) -> MoePlan:

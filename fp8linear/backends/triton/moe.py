@@ -30,7 +30,8 @@ of the routing before its own wait): the routing's first launch lets the next on
 right after its wait (so the kernel that wrote the ids is done), and the later ones, through
 the gather, at their start, so that gate_up streams its weights while they run; SiLU-and-mul
 likewise lets down launch at its start (moe-down-route: down finds its tiles' experts from
-the ids too).
+the ids too). ``x_first`` (moe-gather-x-first, the prefill kernel's layers): the gather reads
+and quantizes its tokens before its wait, so that only its stores wait for the routing.
 """
 from __future__ import annotations
 
@@ -247,7 +248,7 @@ def _gather_quant_kernel(x_ptr, slot_row_ptr, q_ptr, s_ptr, s_ld, M,
                          K: tl.constexpr, TOP_K: tl.constexpr, CG: tl.constexpr,
                          GR: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
                          ROUND_FIRST: tl.constexpr, USE_GDC: tl.constexpr,
-                         EARLY_NEXT: tl.constexpr):
+                         EARLY_NEXT: tl.constexpr, X_FIRST: tl.constexpr):
     # GR (token, group) pairs a program: GR // CG tokens of CG groups, flattened to [GR, 128];
     # each pair quantized once and stored to its token's TOP_K sorted rows
     j = tl.arange(0, GR)
@@ -256,23 +257,31 @@ def _gather_quant_kernel(x_ptr, slot_row_ptr, q_ptr, s_ptr, s_ld, M,
     live = (t < M) & (g * 128 < K)
     cols = g[:, None] * 128 + tl.arange(0, 128)[None, :]
     mask = live[:, None] & (cols < K)
-    _enter(USE_GDC, EARLY_NEXT)
+    if not X_FIRST:
+        _enter(USE_GDC, EARLY_NEXT)
     x = tl.load(x_ptr + t[:, None] * K + cols, mask=mask, other=0.0).to(tl.float32)
-    pdl_release(USE_GDC, EARLY_NEXT)
+    if not X_FIRST:
+        pdl_release(USE_GDC, EARLY_NEXT)
     q, s = quant_group(x, FP8_MAX_C, EPS, ROUND_FIRST)
+    if X_FIRST:  # (x_first: only the stores wait for the routing; the next launch after them)
+        _enter(USE_GDC, EARLY_NEXT)
     for k in tl.static_range(TOP_K):
         row = tl.load(slot_row_ptr + t * TOP_K + k, mask=live, other=-1)
         tl.store(q_ptr + row[:, None] * K + cols, q, mask=mask & (row >= 0)[:, None])
         tl.store(s_ptr + g.to(tl.int64) * s_ld + row, s, mask=live & (row >= 0))
+    if X_FIRST:
+        pdl_release(USE_GDC, EARLY_NEXT)
 
 
 def gather_quant(x: torch.Tensor, r: Routing, groups: int | None = None,
-                 early_next: bool = False):
+                 early_next: bool = False, x_first: bool = False):
     """(fp8 [R, K], scale [R, Kb] as a view of the token-minor [Kb, ld]) of the sorted rows:
     each token quantized once and stored to its top-k rows. Rows that hold no token (padding,
     unused tiles) are not written: the grouped GEMMs compute every row on its own, and the
     combine reads the token rows only. ``groups``: 128-channel groups a program (tests,
-    benchmarks)."""
+    benchmarks). ``x_first`` (moe-gather-x-first): x is read and quantized before the wait
+    for the kernel before, as x was written before the routing's first launch (which waits
+    for the kernels before it before it lets the next one launch)."""
     m, k = x.shape
     kb = cdiv(k, BLOCK)
     q, scale_t, scale = sorted_buffers(r, k, x.device)
@@ -280,7 +289,7 @@ def gather_quant(x: torch.Tensor, r: Routing, groups: int | None = None,
     pdl = pdl_available(x.device)
     _gather_quant_kernel[(cdiv(m, gr // cg), cdiv(kb, cg))](
         x, r.slot_row, q, scale_t, scale_t.shape[1], m, k, r.slot_row.shape[1], cg, gr,
-        FP8_MAX, AMAX_EPS, needs_round_first(x.device), pdl, early_next, num_warps=4,
+        FP8_MAX, AMAX_EPS, needs_round_first(x.device), pdl, early_next, x_first, num_warps=4,
         launch_pdl=pdl)
     return q, scale
 

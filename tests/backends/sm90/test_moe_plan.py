@@ -248,6 +248,7 @@ def test_forced_pieces_are_checked_and_restored():
             plan = sm90_plan._apply_forced(choose(2, 8, 128, 2048, 768, 132), 2048, 768)
             assert (plan.gate_up.group_m, plan.down.group_m) == (5, 5)
         assert plan.fused_act  # (the prefill kernel's epilogue, unless forced off)
+        assert plan.gather_x_first  # (the prefill kernel's layers' gather)
         with sm90_plan.forced(fused_act=False):
             plan = sm90_plan._apply_forced(choose(2, 8, 128, 2048, 768, 132), 2048, 768)
             assert plan.prefill and not plan.fused_act
@@ -327,6 +328,9 @@ def test_prefill_kernel_where_the_decode_tile_would_pass_32_tokens(model, m, pre
     assert plan.fused_act == fused and ("moe-prefill-fused-act" in plan.rule) == fused
     from fp8linear.backends.sm90 import moe as sm90_moe
     assert (sm90_moe.stages(plan).gate_up_silu_quant is not None) == fused
+    # moe-gather-x-first: the prefill layer's gather quantizes x before its wait
+    assert plan.gather_x_first == prefill and ("moe-gather-x-first" in plan.rule) == prefill
+    assert sm90_moe.stages(plan).gather_quant.keywords["x_first"] == prefill
     if prefill:  # no K splits: the persistent kernel walks whole K
         assert plan.gate_up == plan.down == GroupedGemmPlan(1, 1)
     # hidden sizes off the 128 grid keep the decode kernel, on the tile the rule asks for

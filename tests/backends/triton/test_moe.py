@@ -65,6 +65,10 @@ def check_stages(m, k, e, tile, routing, away, device):
                 hq, hs = tm.silu_mul_quant(gate_up, got, groups)
                 assert torch.equal(hq.view(torch.uint8)[used], hq0.view(torch.uint8)[used])
                 assert torch.equal(hs[used], hs0[used]) and hs.shape == hs0.shape
+    # x quantized before the wait (moe-gather-x-first): the same rows
+    q, s = tm.gather_quant(x, got, x_first=True)
+    assert torch.equal(q.view(torch.uint8)[used], q0.view(torch.uint8)[used])
+    assert torch.equal(s[used], s0[used])
     y = torch.randn(got.rows, 200, generator=gen).to(device)
     w = torch.rand(m, k, generator=gen).to(device)
     out = torch.full((m, 200), float("nan"), device=device)
