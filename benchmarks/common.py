@@ -146,11 +146,8 @@ def m_major_scales(a_scale, m: int):
     """Activation scales [M, Kb] as DeepGEMM takes them and our large-M kernel reads them in
     place: strides (1, ld), ld = M rounded up to 4 (16-byte TMA rows); DeepGEMM's own helper
     makes exactly this."""
-    import torch
-    from fp8linear.quant import scale_view
-    ld = -(-m // 4) * 4
-    buf = torch.empty(a_scale.shape[1], ld, dtype=torch.float32, device=a_scale.device)
-    view = scale_view(buf, m)
+    from fp8linear.quant import empty_scale_t, scale_view
+    view = scale_view(empty_scale_t(m, a_scale.shape[1], a_scale.device), m)
     view.copy_(a_scale)
     return view
 

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from .quant import BLOCK, FP8_DTYPE, quantize_activation
+from .quant import BLOCK, FP8_DTYPE, empty_scale_t, quantize_activation
 
 DTYPES = (torch.bfloat16, torch.float16)  # activations the fused norm and SiLU-and-mul take
 
@@ -66,8 +66,7 @@ def _check(x, residual, weight):
 def _buffers(x: torch.Tensor):
     m, k = x.shape
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    scale_t = torch.empty((k // BLOCK, (m + 3) // 4 * 4), dtype=torch.float32, device=x.device)
-    return q, scale_t
+    return q, empty_scale_t(m, k // BLOCK, x.device)
 
 
 def _quantize_into(y: torch.Tensor, q: torch.Tensor, scale_t: torch.Tensor) -> None:

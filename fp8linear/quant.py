@@ -27,6 +27,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def empty_scale_t(m: int, groups: int, device) -> torch.Tensor:
+    """A token-minor activation-scale buffer for ``m`` tokens: fp32 [groups, ld], ld = m rounded
+    up to 4 (the 16-byte rows the Hopper kernels read and write with TMA), unwritten."""
+    return torch.empty(groups, cdiv(m, 4) * 4, dtype=torch.float32, device=device)
+
+
 def scale_view(scale_t: torch.Tensor, m: int) -> torch.Tensor:
     """The [M, K/128] activation-scale view of a token-minor ``scale_t`` [K/128, ld] buffer
     (token m's scale of group g at ``scale_t[g, m]``, as the Hopper kernels read it in place)."""

@@ -14,7 +14,7 @@ import sys
 import torch
 
 from ... import knobs
-from ...quant import cdiv, has_row_scales
+from ...quant import empty_scale_t, has_row_scales, scale_view
 from . import library
 from .launch import Launch, decide
 from .plan import shape_ok
@@ -88,9 +88,8 @@ def _scale_t(a_scale, m):
     if (a_scale.stride(0) == 1 and st.stride(0) % 4 == 0 and st.stride(0) >= m
             and st.data_ptr() % 16 == 0):
         return st
-    ld = cdiv(m, 4) * 4
-    t = torch.empty(a_scale.shape[1], ld, dtype=torch.float32, device=a_scale.device)
-    t[:, :m].copy_(a_scale.t())
+    t = empty_scale_t(m, a_scale.shape[1], a_scale.device)
+    scale_view(t, m).copy_(a_scale)
     return t
 
 

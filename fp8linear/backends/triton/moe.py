@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from ...moe_routing import Routing, max_tiles
-from ...quant import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX, cdiv, scale_view
+from ...quant import AMAX_EPS, BLOCK, FP8_DTYPE, FP8_MAX, cdiv, empty_scale_t, scale_view
 from . import swiglu_quant
 from .norm_quant import pdl_acquire, pdl_available, pdl_release
 from .quant import needs_round_first, quant_group
@@ -298,8 +298,7 @@ def sorted_buffers(r: Routing, k: int, device):
     """For the sorted rows: fp8 [R, k], its token-minor scales [ceil(k / 128), R rounded up
     to 4] (the GEMMs' 16-byte aligned scale rows, which the kernels write) and those scales
     as the [R, ceil(k / 128)] view the GEMMs read."""
-    scale_t = torch.empty(cdiv(k, BLOCK), cdiv(r.rows, 4) * 4, dtype=torch.float32,
-                          device=device)
+    scale_t = empty_scale_t(r.rows, cdiv(k, BLOCK), device)
     return (torch.empty(r.rows, k, dtype=FP8_DTYPE, device=device), scale_t,
             scale_view(scale_t, r.rows))
 

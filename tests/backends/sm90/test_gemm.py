@@ -14,7 +14,7 @@ import fp8linear
 from fp8linear.backends.sm90 import launch as sm90_launch
 from fp8linear.backends.sm90 import plan as sm90_plan
 from fp8linear.backends.sm90.tiles import DECODE_TILES, GEMM_TILES
-from fp8linear.quant import cdiv, scale_view
+from fp8linear.quant import cdiv, empty_scale_t, scale_view
 
 from expect import raises_exactly
 
@@ -300,7 +300,7 @@ def _ext_quant(ext, x):
     kernel's [Kb, M] rows)."""
     m, k = x.shape
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=DEVICE)
-    st = torch.empty(-(-k // 128), (m + 3) // 4 * 4, dtype=torch.float32, device=DEVICE)
+    st = empty_scale_t(m, cdiv(k, 128), DEVICE)
     ext.quant(x, q, st, False)
     torch.cuda.synchronize()
     return q, scale_view(st, m)
