@@ -12,6 +12,7 @@ from .quant import (FP8_DTYPE, dequantize_activation, dequantize_weight, quantiz
 from .ops import block_fp8_gemm, fp8_linear
 from .norm_quant import rms_norm_quant  # (also registers its custom ops, as ops.py does)
 from .swiglu_quant import silu_mul_quant  # (likewise)
+from .experts import FP8Experts
 from .module import FP8Linear, fp8_modules, quantize_model
 from .moe import fused_moe, moe_reference
 
@@ -20,7 +21,7 @@ from .version import __version__  # noqa: E402
 __all__ = [
     "FP8_DTYPE", "quantize_weight", "quantize_activation", "dequantize_weight",
     "dequantize_activation", "reference_gemm", "block_fp8_gemm", "fp8_linear", "rms_norm_quant",
-    "silu_mul_quant", "fused_moe", "moe_reference", "FP8Linear",
+    "silu_mul_quant", "fused_moe", "moe_reference", "FP8Linear", "FP8Experts",
     "quantize_model", "fp8_modules", "load_fp8_checkpoint", "save_fp8_checkpoint",
     "from_pretrained",
 ]

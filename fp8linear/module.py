@@ -1,18 +1,18 @@
-"""FP8Linear, the nn.Module, and quantize_model, which swaps nn.Linear layers for it."""
+"""FP8Linear, the nn.Module, and quantize_model, which swaps nn.Linear layers for it (and a
+transformers MoE layer's fused experts for FP8Experts)."""
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from typing import Iterable
 
 import torch
 from torch import nn
 
+from .experts import FP8Experts, fused_experts_problem
 from .ops import check_weight, fp8_linear
-from .quant import (BLOCK, FP8_DTYPE, cdiv, check_block_size, check_scale_values,
-                    dequantize_weight, quantize_weight, weight_scale_shapes)
-
-# scale dtypes a checkpoint may hold (Qwen3-FP8 ships bf16/fp16 ones): all convert to fp32 exactly
-SCALE_LOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from .quant import (BLOCK, FP8_DTYPE, SCALE_LOAD_DTYPES, cdiv, check_block_size,
+                    check_scale_values, dequantize_weight, quantize_weight, weight_scale_shapes)
 
 
 class FP8Linear(nn.Module):
@@ -78,6 +78,9 @@ class FP8Linear(nn.Module):
     def dequantized_weight(self, dtype=torch.float32) -> torch.Tensor:
         return dequantize_weight(self.weight, self.weight_scale_inv, dtype)
 
+    def scales(self) -> tuple:
+        return (self.weight_scale_inv,)
+
     def validate(self, name: str = "") -> None:
         """Shape/dtype checks plus the one data check (finite, positive scales). Runs at load
         time, never per forward call."""
@@ -132,14 +135,18 @@ def _validate_after_load(module: FP8Linear, incompatible_keys) -> None:
 
 def quantize_model(model: nn.Module, skip: Iterable[str] | str = ("lm_head",),
                    ue8m0: bool = False, min_features: int = 0) -> nn.Module:
-    """Replace every nn.Linear inside ``model`` (in place) by an FP8Linear; returns ``model``.
+    """Replace every nn.Linear inside ``model`` (in place) by an FP8Linear, and the fused
+    experts of transformers MoE layers (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I])
+    by FP8Experts; returns ``model``.
 
     ``skip``: fnmatch patterns or plain substrings of module names left in high precision
     (default: the lm_head, whose logits are the most precision-sensitive layer); a string is
     one pattern. ``min_features``: layers with in or out features below this stay
-    unquantized. Layers on the meta device become empty FP8Linear layers on the meta device,
-    to be filled by ``load_fp8_checkpoint``. ``model`` itself cannot be an nn.Linear (it
-    cannot be replaced in place): use ``FP8Linear.from_linear`` for a single layer.
+    unquantized. Layers on the meta device become empty FP8 layers on the meta device, to be
+    filled by ``load_fp8_checkpoint``. Experts FP8Experts does not take (biases, another
+    activation than SiLU, an intermediate size off the 128 grid) stay, with a warning naming
+    them. ``model`` itself cannot be an nn.Linear (it cannot be replaced in place): use
+    ``FP8Linear.from_linear`` for a single layer.
     """
     if isinstance(model, nn.Linear):
         raise TypeError("quantize_model(nn.Linear) cannot replace the layer in place: use "
@@ -154,7 +161,18 @@ def quantize_model(model: nn.Module, skip: Iterable[str] | str = ("lm_head",),
     targets = [n for n, m in model.named_modules()
                if isinstance(m, nn.Linear) and not skipped(n)
                and min(m.in_features, m.out_features) >= min_features]
-    return replace_linears(model, targets, ue8m0)
+    experts, kept = [], []
+    for n, m in model.named_modules():
+        problem = "" if skipped(n) else fused_experts_problem(m)
+        if problem is None and min(m.down_proj.shape[1:]) >= min_features:  # (H, I)
+            experts.append(n)
+        elif problem:
+            kept.append(f"'{n}' ({problem})")
+    if kept:
+        warnings.warn(f"quantize_model: {len(kept)} MoE experts layer(s) stay in high "
+                      f"precision, e.g. {kept[0]}", stacklevel=2)
+    replace_linears(model, targets, ue8m0)
+    return replace_experts(model, experts, ue8m0)
 
 
 def replace_linears(model: nn.Module, names: Iterable[str], ue8m0: bool = False) -> nn.Module:
@@ -174,6 +192,15 @@ def replace_linears(model: nn.Module, names: Iterable[str], ue8m0: bool = False)
     return model
 
 
+def replace_experts(model: nn.Module, names: Iterable[str], ue8m0: bool = False) -> nn.Module:
+    """Replace the transformers fused-experts layers named ``names`` by FP8Experts."""
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, FP8Experts.from_experts(model.get_submodule(name), ue8m0=ue8m0))
+    return model
+
+
 def fp8_modules(model: nn.Module):
-    """(name, FP8Linear) pairs of a model."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, FP8Linear)]
+    """(name, module) pairs of a model's FP8Linear and FP8Experts layers."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, (FP8Linear, FP8Experts))]

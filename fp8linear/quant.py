@@ -18,6 +18,8 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BLOCK = 128
+# scale dtypes a checkpoint may hold (Qwen3-FP8 ships bf16/fp16 ones): all convert to fp32 exactly
+SCALE_LOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Smallest amax a group may have: keeps the scale finite for all-zero groups. Same value as
 # vLLM's per-token-group quantization, so both produce bit-identical activations.
 AMAX_EPS = 1e-10

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..module import replace_linears
+from ..experts import fused_experts_problem, layer_names
+from ..module import replace_experts, replace_linears
 from .format import CONFIG_NAME, CheckpointError
 from .io import CheckpointDir, load_fp8_checkpoint
 
@@ -30,9 +31,14 @@ def from_pretrained(model_cls, path, dtype: torch.dtype = torch.bfloat16, device
     The model is built with its parameters on the meta device (no memory, no random init;
     buffers such as rotary tables and position ids are computed as usual), every nn.Linear
     whose weight is float8 in the checkpoint becomes an FP8Linear (the others, e.g. an
-    lm_head kept in bf16 or tied to the embeddings, stay nn.Linear), then the tensors load
-    through safetensors (``load_fp8_checkpoint``: shapes, dtypes and scale values are
-    checked). Other floating tensors take ``dtype``. Needs transformers, not accelerate.
+    lm_head kept in bf16 or tied to the embeddings, stay nn.Linear) and every MoE layer's
+    fused experts that the checkpoint holds per expert in float8 an FP8Experts; then the
+    tensors load through safetensors (``load_fp8_checkpoint``: shapes, dtypes and scale
+    values are checked). Other floating tensors take ``dtype``. Needs transformers, not
+    accelerate. The checkpoint's names must be the model's (as ``save_fp8_checkpoint`` and
+    transformers write them for most models; the per-expert split of fused experts is
+    FP8Experts' own): names transformers renames while loading (Mixtral's
+    ``block_sparse_moe``) are not mapped.
 
     transformers' own ``from_pretrained`` on such a checkpoint needs ``accelerate``
     (``pip install accelerate``, or the ``fp8linear[hf]`` extra) and runs transformers' FP8
@@ -59,9 +65,14 @@ def from_pretrained(model_cls, path, dtype: torch.dtype = torch.bfloat16, device
         else:
             raise TypeError(f"from_pretrained expects a transformers model class or Auto "
                             f"class, got {model_cls!r}")
-    fp8 = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)
-           and getattr(ckpt.entries.get(f"{name}.weight"), "dtype", None) == "F8_E4M3"]
-    replace_linears(model, fp8)
+    def fp8_in_file(tensor: str) -> bool:
+        return getattr(ckpt.entries.get(tensor), "dtype", None) == "F8_E4M3"
+    replace_linears(model, [name for name, m in model.named_modules()
+                            if isinstance(m, nn.Linear) and fp8_in_file(f"{name}.weight")])
+    # transformers' fused experts whose checkpoint holds them per expert in fp8
+    replace_experts(model, [name for name, m in model.named_modules()
+                            if fused_experts_problem(m) is None
+                            and fp8_in_file(f"{name}.0.{layer_names(m)[0]}.weight")])
     _materialize(model, torch.device(device))
     load_fp8_checkpoint(model, path, strict=strict)
     return model.eval()

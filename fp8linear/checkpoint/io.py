@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from ..version import __version__
-from ..module import SCALE_LOAD_DTYPES, fp8_modules
-from ..quant import BLOCK, FP8_DTYPE, cdiv, check_scale_values
+from ..experts import FP8Experts
+from ..module import FP8Linear, fp8_modules
+from ..quant import BLOCK, FP8_DTYPE, SCALE_LOAD_DTYPES, cdiv, check_scale_values
 from .format import (_ST_DTYPES, CONFIG_NAME, DEFAULT_MAX_SHARD_BYTES, INDEX_NAME, SINGLE_NAME,
                      CheckpointError, TensorEntry, quantization_config)
 
@@ -180,7 +181,8 @@ def _power_of_two(t: torch.Tensor) -> bool:
 
 def save_fp8_checkpoint(model: nn.Module, path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                         config: Optional[dict] = None) -> Path:
-    """Write ``model``'s state (FP8Linear layers as weight + weight_scale_inv) to ``path``.
+    """Write ``model``'s state (FP8Linear layers as weight + weight_scale_inv, FP8Experts
+    expert by expert: ``<j>.gate_proj.weight`` + ``weight_scale_inv``, ...) to ``path``.
 
     Shards of at most ``max_shard_bytes`` (a larger single tensor gets a shard of its own),
     ``model.safetensors.index.json``, and ``config.json`` = ``config`` (else the model's
@@ -191,7 +193,7 @@ def save_fp8_checkpoint(model: nn.Module, path, max_shard_bytes: int = DEFAULT_M
     path = Path(path)
     mods = fp8_modules(model)
     if not mods:
-        raise CheckpointError("the model has no FP8Linear layers: run "
+        raise CheckpointError("the model has no FP8Linear or FP8Experts layers: run "
                               "fp8linear.quantize_model(model) before saving")
     for name, mod in mods:
         mod.validate(name)
@@ -227,7 +229,7 @@ def save_fp8_checkpoint(model: nn.Module, path, max_shard_bytes: int = DEFAULT_M
             config = json.loads((path / CONFIG_NAME).read_text())
         else:
             config = {}
-    ue8m0 = all(_power_of_two(m.weight_scale_inv) for _, m in mods)
+    ue8m0 = all(_power_of_two(s) for _, m in mods for s in m.scales())
     config = dict(config, quantization_config=quantization_config(ue8m0))
     _write_json(path / CONFIG_NAME, config)
     return path
@@ -247,7 +249,8 @@ def load_fp8_checkpoint(model: nn.Module, path, strict: bool = True) -> nn.Modul
     """
     ckpt = CheckpointDir(path)
     state, groups = _unique_state(model)
-    fp8 = dict(fp8_modules(model))
+    fp8 = {n: m for n, m in fp8_modules(model) if isinstance(m, FP8Linear)}
+    experts = _expert_tensors(model)
     buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
     where = ckpt.index_path if ckpt.index_path.exists() else ckpt.path
 
@@ -273,12 +276,12 @@ def load_fp8_checkpoint(model: nn.Module, path, strict: bool = True) -> nn.Modul
                 + _extra_hint(e.name, model))
     for name in plan:
         for target in plan[name]:
-            _check_entry(ckpt.entries[name], target, state[target], fp8)
+            _check_entry(ckpt.entries[name], target, state[target], fp8, experts)
 
     # scales are small: read and check them all first, so a bad one leaves the model as it was
     scales = {}
     for file, names in ckpt.by_file().items():
-        names = [n for n in names if n in plan and _is_fp8_scale(plan[n], fp8)]
+        names = [n for n in names if n in plan and _is_fp8_scale(plan[n], fp8, experts)]
         handle = _safe_open(file) if names else None
         for name in names:
             scales[name] = _get_tensor(handle, file, name)
@@ -300,9 +303,17 @@ def load_fp8_checkpoint(model: nn.Module, path, strict: bool = True) -> nn.Modul
     return model
 
 
-def _is_fp8_scale(targets, fp8) -> bool:
+def _expert_tensors(model: nn.Module) -> dict:
+    """state name -> "weight" or "scale" for the FP8Experts layers' per-expert tensors."""
+    return {f"{name}.{key}": "scale" if key.endswith("_scale_inv") else "weight"
+            for name, m in model.named_modules() if isinstance(m, FP8Experts)
+            for key, _ in m.state_items()}
+
+
+def _is_fp8_scale(targets, fp8, experts) -> bool:
     parts = [t.rpartition(".") for t in targets]
-    return any(leaf == "weight_scale_inv" and owner in fp8 for owner, _, leaf in parts)
+    return any(leaf == "weight_scale_inv" and owner in fp8 for owner, _, leaf in parts) or any(
+        experts.get(t) == "scale" for t in targets)
 
 
 def _missing_hint(name: str, ckpt: CheckpointDir, fp8: dict) -> str:
@@ -331,9 +342,18 @@ def _extra_hint(name: str, model: nn.Module) -> str:
     return "; load_fp8_checkpoint(..., strict=False) ignores extra tensors"
 
 
-def _check_entry(entry: TensorEntry, target: str, param: torch.Tensor, fp8: dict):
+def _check_entry(entry: TensorEntry, target: str, param: torch.Tensor, fp8: dict,
+                 experts: dict):
     owner, _, leaf = target.rpartition(".")
     where = f"{entry.file}: tensor '{entry.name}'"
+    if target in experts:
+        dtypes = SCALE_LOAD_DTYPES if experts[target] == "scale" else (FP8_DTYPE,)
+        if entry.torch_dtype not in dtypes or entry.shape != tuple(param.shape):
+            raise CheckpointError(f"{where} is {entry.dtype} {list(entry.shape)}, the FP8Experts "
+                                  f"layer expects {dtypes[0]} {list(param.shape)}"
+                                  + (" (quantize the checkpoint with `fp8linear quantize`)"
+                                     if experts[target] == "weight" else ""))
+        return
     if owner in fp8 and leaf in ("weight", "weight_scale_inv"):
         mod = fp8[owner]
         if leaf == "weight":

@@ -13,6 +13,8 @@ import fp64_reference as ref
 import fp8linear
 from fp8linear import FP8Linear, load_fp8_checkpoint, quantize_model
 from fp8linear.checkpoint import INDEX_NAME, CheckpointError, quantize_checkpoint
+from fp8linear.experts import FP8Experts
+from tiny_moe import model_of, qwen3_moe
 
 import transformers  # noqa: E402  (the dev extra's: missing, these tests fail, never skip)
 
@@ -89,6 +91,34 @@ def test_from_pretrained_runs_fp8linear_and_matches_the_original(tmp_path, arch,
     assert 0.02 <= ref.rel_err(got, want) <= max_err
     if min_top1 is not None:
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= min_top1
+
+
+def test_moe_checkpoints_load_per_expert_into_fp8_experts(tmp_path):
+    """transformers (>= 5) saves a MoE model's fused experts per expert; `fp8linear quantize`
+    quantizes each expert's projections, from_pretrained runs them as FP8Experts, and
+    save_fp8_checkpoint writes the same per-expert tensors back (Qwen3-MoE: the checkpoint's
+    names are the model's but for the experts' split)."""
+    model, cfg = model_of(qwen3_moe)
+    cls = type(model)
+    model.save_pretrained(tmp_path / "in")
+    original = cls.from_pretrained(tmp_path / "in", dtype=torch.bfloat16).eval()
+    quantize_checkpoint(tmp_path / "in", tmp_path / "out", progress=False)
+    fp8 = fp8_weights(tmp_path / "out")
+    assert {f"model.layers.1.mlp.experts.7.{p}" for p in ("gate_proj", "up_proj",
+                                                          "down_proj")} <= fp8
+    loaded = fp8linear.from_pretrained(cls, tmp_path / "out")
+    assert all(isinstance(layer.mlp.experts, FP8Experts) for layer in loaded.model.layers)
+    in_memory = quantize_model(copy.deepcopy(original))
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = in_memory(ids).logits
+        assert torch.equal(loaded(ids).logits, want)  # the checkpoint route: the same model
+        assert 0.02 <= ref.rel_err(want, original(ids).logits) <= 0.15
+    fp8linear.save_fp8_checkpoint(in_memory, tmp_path / "saved")
+    assert fp8_weights(tmp_path / "saved") == fp8
+    again = fp8linear.from_pretrained(cls, tmp_path / "saved")
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, want)
 
 
 def test_deepseek_qwen3_layout_bf16_scales_no_index(tmp_path):

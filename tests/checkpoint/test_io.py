@@ -64,7 +64,7 @@ def test_save_takes_a_transformers_style_config(tmp_path):
 
 
 def test_save_refuses_a_model_without_fp8_layers(tmp_path):
-    with pytest.raises(CheckpointError, match="the model has no FP8Linear layers: run "
+    with pytest.raises(CheckpointError, match="the model has no FP8Linear or FP8Experts layers: run "
                                               "fp8linear.quantize_model"):
         save_fp8_checkpoint(nn.Linear(4, 4), tmp_path)
 
@@ -311,3 +311,33 @@ def test_the_index_lists_the_files_fp8linear_wrote(tmp_path):
     save_fp8_checkpoint(quantized_tiny(), tmp_path)  # one shard now; the old ones stay listed
     files = json.loads((tmp_path / INDEX_NAME).read_text())["metadata"]["fp8linear"]["files"]
     assert files == sorted({*first, "model.safetensors"})
+
+
+# ------------------------------------------------------------- FP8Experts (transformers MoE)
+def test_fp8_experts_tensors_are_checked_before_anything_is_copied(tmp_path):
+    """A transformers MoE model's FP8Experts load per expert: a bad scale or an unquantized
+    expert weight in the file is named, and the model is left as it was."""
+    from tiny_moe import model_of, qwen3_moe
+    src = quantize_model(model_of(qwen3_moe)[0])
+    save_fp8_checkpoint(src, tmp_path)
+    name = "model.layers.1.mlp.experts.6.down_proj.weight_scale_inv"
+    s = load_file(str(tmp_path / read_index(tmp_path)[name]))[name]
+    s[1, 0] = -0.5
+    file = rewrite(tmp_path, name, s)
+    model = quantize_model(model_of(qwen3_moe, seed=5)[0])
+    before = _snapshot(model)
+    with pytest.raises(CheckpointError) as e:
+        load_fp8_checkpoint(model, tmp_path)
+    assert str(e.value) == (f"{file}: {name} has a non-positive value (first at index (1, 0), "
+                            f"value -0.5): weight scales must be positive and finite")
+    s[1, 0] = 1.0
+    rewrite(tmp_path, name, s)
+    weight = "model.layers.0.mlp.experts.2.gate_proj.weight"
+    rewrite(tmp_path, weight, torch.zeros(128, 256, dtype=torch.bfloat16))
+    with pytest.raises(CheckpointError) as e:
+        load_fp8_checkpoint(model, tmp_path)
+    assert str(e.value) == (f"{file}: tensor '{weight}' is BF16 [128, 256], the FP8Experts "
+                            f"layer expects torch.float8_e4m3fn [128, 256] (quantize the "
+                            f"checkpoint with `fp8linear quantize`)")
+    after = _snapshot(model)
+    assert all(torch.equal(before[n], after[n]) for n in before)
