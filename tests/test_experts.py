@@ -10,7 +10,7 @@ import fp64_reference as ref
 import fp8linear
 from fp8linear import quantize_model, quantize_activation, quantize_weight
 from fp8linear.experts import FP8Experts, fused_experts_problem
-from tiny_moe import experts_of, mixtral, model_of, qwen3_moe
+from tiny_hf_moe import experts_of, mixtral, model_of, qwen3_moe
 
 
 def test_fused_experts_problem_takes_transformers_silu_experts_only():

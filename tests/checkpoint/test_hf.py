@@ -14,7 +14,7 @@ import fp8linear
 from fp8linear import FP8Linear, load_fp8_checkpoint, quantize_model
 from fp8linear.checkpoint import INDEX_NAME, CheckpointError, quantize_checkpoint
 from fp8linear.experts import FP8Experts
-from tiny_moe import model_of, qwen3_moe
+from tiny_hf_moe import model_of, qwen3_moe
 
 import transformers  # noqa: E402  (the dev extra's: missing, these tests fail, never skip)
 

@@ -317,7 +317,7 @@ def test_the_index_lists_the_files_fp8linear_wrote(tmp_path):
 def test_fp8_experts_tensors_are_checked_before_anything_is_copied(tmp_path):
     """A transformers MoE model's FP8Experts load per expert: a bad scale or an unquantized
     expert weight in the file is named, and the model is left as it was."""
-    from tiny_moe import model_of, qwen3_moe
+    from tiny_hf_moe import model_of, qwen3_moe
     src = quantize_model(model_of(qwen3_moe)[0])
     save_fp8_checkpoint(src, tmp_path)
     name = "model.layers.1.mlp.experts.6.down_proj.weight_scale_inv"
