@@ -1,6 +1,6 @@
 """Tiny random transformers MoE models (Qwen3-MoE, Mixtral: fused experts in transformers
->= 5), built in memory for the FP8Experts and checkpoint tests (no downloads; the vLLM tests write
-theirs with integrations/vllm/tiny_moe.py)."""
+>= 5), built in memory for the FP8Experts and checkpoint tests (no downloads; the vLLM
+tests write theirs with tests/integrations/vllm/tiny_moe.py)."""
 import torch
 import transformers  # (the dev extra's: missing, the tests that use it fail, never skip)
 
