@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .fixed_dtypes import FixedDtypes
 from .moe import fused_moe
 from .quant import (BLOCK, FP8_DTYPE, SCALE_LOAD_DTYPES, cdiv, check_scale_values,
                     quantize_weight)
@@ -81,7 +82,7 @@ def fused_experts_problem(module: nn.Module) -> Optional[str]:
     return None
 
 
-class FP8Experts(nn.Module):
+class FP8Experts(FixedDtypes):
     """A layer's E experts, y = sum_j w_j * down(SiLU(gate(x)) * up(x)), in block FP8.
 
     Parameters: ``gate_up_proj`` float8_e4m3fn [E, 2I, H] with ``gate_up_proj_scale_inv``
@@ -89,6 +90,8 @@ class FP8Experts(nn.Module):
     [E, ceil(H/128), I/128] (I a multiple of 128: gate and up are blocks of their own).
     ``names``: the checkpoint's names of an expert's gate, up and down projections.
     """
+
+    FIXED_DTYPES = ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv")
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int,
                  names: tuple = PROJECTIONS, device=None):
@@ -165,16 +168,6 @@ class FP8Experts(nn.Module):
             for proj, (w, s) in zip(self.names, self.views(j)):
                 yield f"{j}.{proj}.weight", w
                 yield f"{j}.{proj}.weight_scale_inv", s
-
-    def _apply(self, fn, recurse=True):
-        # (as FP8Linear: model.to(dtype) keeps the fp8 stacks and fp32 scales, follows devices)
-        kept = {n: p.data for n, p in self._parameters.items()}
-        super()._apply(fn, recurse)
-        for name, old in kept.items():
-            p = getattr(self, name)
-            if p.dtype != old.dtype:
-                p.data = old.to(device=p.device)
-        return self
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         for key, t in self.state_items():

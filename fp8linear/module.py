@@ -10,12 +10,13 @@ import torch
 from torch import nn
 
 from .experts import FP8Experts, fused_experts_problem
+from .fixed_dtypes import FixedDtypes
 from .ops import check_weight, fp8_linear
 from .quant import (BLOCK, FP8_DTYPE, SCALE_LOAD_DTYPES, cdiv, check_block_size,
                     check_scale_values, dequantize_weight, quantize_weight, weight_scale_shapes)
 
 
-class FP8Linear(nn.Module):
+class FP8Linear(FixedDtypes):
     """y = x @ W^T + b with W stored as block-scaled float8_e4m3fn (128x128 blocks).
 
     Parameters (state_dict names match DeepSeek-V3 / Qwen3-FP8 checkpoints):
@@ -24,6 +25,8 @@ class FP8Linear(nn.Module):
       bias              optional, in ``dtype``
     ``dtype`` is the bias dtype (the output follows the input's dtype).
     """
+
+    FIXED_DTYPES = ("weight", "weight_scale_inv")
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  device=None, dtype=None, block_size: int = BLOCK):
@@ -60,17 +63,6 @@ class FP8Linear(nn.Module):
         if linear.bias is not None:
             mod.bias.data = linear.bias.detach().to(mod.bias.dtype).clone()
         return mod
-
-    def _apply(self, fn, recurse=True):
-        # torch counts float8 as floating point, so model.to(dtype) / .half() would cast the
-        # fp8 weight and round its fp32 scales: keep both dtypes, follow only device moves.
-        kept = {"weight": self.weight.data, "weight_scale_inv": self.weight_scale_inv.data}
-        super()._apply(fn, recurse)
-        for name, old in kept.items():
-            p = getattr(self, name)
-            if p.dtype != old.dtype:
-                p.data = old.to(device=p.device)
-        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias)
