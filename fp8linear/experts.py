@@ -60,7 +60,7 @@ def fused_experts_problem(module: nn.Module) -> Optional[str]:
     why not ("" for a module that is no fused-experts layer at all)."""
     gate_up, down = (getattr(module, n, None) for n in ("gate_up_proj", "down_proj"))
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
-            and gate_up.dim() == 3 and down.dim() == 3):
+            and gate_up.dim() == 3 and down.dim() == 3) or isinstance(module, FP8Experts):
         return ""
     e, two_i, h = gate_up.shape
     if (getattr(module, "has_bias", False) or getattr(module, "is_transposed", False)
@@ -96,11 +96,11 @@ class FP8Experts(FixedDtypes):
     def __init__(self, num_experts: int, hidden: int, intermediate: int,
                  names: tuple = PROJECTIONS, device=None):
         super().__init__()
-        self.names = tuple(names)
         if intermediate % BLOCK:
             raise ValueError(f"FP8Experts: the expert intermediate size must be a multiple of "
                              f"{BLOCK}, got {intermediate}")
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.names = tuple(names)
         e, h, i = num_experts, hidden, intermediate
 
         def param(*shape, dtype):

@@ -94,6 +94,16 @@ def test_quantize_model_runs_moe_models_on_fp8_experts(arch, max_err, min_top1):
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= min_top1
 
 
+def test_quantize_model_twice_changes_nothing():
+    model, _ = model_of(qwen3_moe)
+    q = quantize_model(model)
+    experts = experts_of(q)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (FP8Experts is no transformers layer to report)
+        assert quantize_model(q) is q
+    assert experts_of(q) is experts
+
+
 def test_experts_off_the_grid_stay_with_a_warning():
     model, _ = model_of(qwen3_moe(inter=96))
     with pytest.warns(UserWarning, match=r"quantize_model: 2 MoE experts layer\(s\) stay in high "
