@@ -7,6 +7,7 @@
 - ``convert``: ``quantize_checkpoint``, the converter behind ``fp8linear quantize``;
 - ``info``: ``checkpoint_info`` / ``format_checkpoint_info`` for ``fp8linear info``;
 - ``hf``: ``from_pretrained``, a block-FP8 checkpoint into a transformers model.
+- ``hf_names``: the names transformers renames between a model and its checkpoints.
 """
 from .format import (CONFIG_NAME, DEFAULT_MAX_SHARD_BYTES, INDEX_NAME, SCALE_SUFFIX,
                      SINGLE_NAME, CheckpointError, CheckpointWarning, TensorEntry,

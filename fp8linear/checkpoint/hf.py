@@ -18,6 +18,7 @@ from torch import nn
 from ..experts import fused_experts_problem, layer_names
 from ..module import replace_experts, replace_linears
 from .format import CONFIG_NAME, CheckpointError
+from .hf_names import to_checkpoint
 from .io import CheckpointDir, load_fp8_checkpoint
 
 
@@ -35,10 +36,8 @@ def from_pretrained(model_cls, path, dtype: torch.dtype = torch.bfloat16, device
     fused experts that the checkpoint holds per expert in float8 an FP8Experts; then the
     tensors load through safetensors (``load_fp8_checkpoint``: shapes, dtypes and scale
     values are checked). Other floating tensors take ``dtype``. Needs transformers, not
-    accelerate. The checkpoint's names must be the model's (as ``save_fp8_checkpoint`` and
-    transformers write them for most models; the per-expert split of fused experts is
-    FP8Experts' own): names transformers renames while loading (Mixtral's
-    ``block_sparse_moe``) are not mapped.
+    accelerate. Names transformers renames while loading (Mixtral's ``block_sparse_moe``) are
+    renamed by its rules (``hf_names``).
 
     transformers' own ``from_pretrained`` on such a checkpoint needs ``accelerate``
     (``pip install accelerate``, or the ``fp8linear[hf]`` extra) and runs transformers' FP8
@@ -65,8 +64,10 @@ def from_pretrained(model_cls, path, dtype: torch.dtype = torch.bfloat16, device
         else:
             raise TypeError(f"from_pretrained expects a transformers model class or Auto "
                             f"class, got {model_cls!r}")
+    disk = to_checkpoint(model)
+
     def fp8_in_file(tensor: str) -> bool:
-        return getattr(ckpt.entries.get(tensor), "dtype", None) == "F8_E4M3"
+        return getattr(ckpt.entries.get(disk(tensor)), "dtype", None) == "F8_E4M3"
     replace_linears(model, [name for name, m in model.named_modules()
                             if isinstance(m, nn.Linear) and fp8_in_file(f"{name}.weight")])
     # transformers' fused experts whose checkpoint holds them per expert in fp8

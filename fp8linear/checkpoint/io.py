@@ -19,6 +19,7 @@ from ..module import FP8Linear, fp8_modules
 from ..quant import BLOCK, FP8_DTYPE, SCALE_LOAD_DTYPES, cdiv, check_scale_values
 from .format import (_ST_DTYPES, CONFIG_NAME, DEFAULT_MAX_SHARD_BYTES, INDEX_NAME, SINGLE_NAME,
                      CheckpointError, TensorEntry, quantization_config)
+from .hf_names import to_checkpoint, to_model
 
 # A safetensors header larger than this is corrupt, not a checkpoint (real ones are < 10 MB).
 _MAX_HEADER_BYTES = 100 * 2**20
@@ -199,6 +200,7 @@ def save_fp8_checkpoint(model: nn.Module, path, max_shard_bytes: int = DEFAULT_M
         mod.validate(name)
     state, groups = _unique_state(model)
     names = [g[0] for g in groups]  # the first name of each tied group is the one on disk
+    disk = to_checkpoint(model)  # (a transformers model: the names its checkpoints use)
     path.mkdir(parents=True, exist_ok=True)
 
     shards: list[list[str]] = [[]]
@@ -214,9 +216,9 @@ def save_fp8_checkpoint(model: nn.Module, path, max_shard_bytes: int = DEFAULT_M
     weight_map = {}
     for i, shard in enumerate(shards):
         fname = SINGLE_NAME if total == 1 else f"model-{i + 1:05d}-of-{total:05d}.safetensors"
-        tensors = {n: state[n].detach().to("cpu").contiguous() for n in shard}
+        tensors = {disk(n): state[n].detach().to("cpu").contiguous() for n in shard}
         save_file(tensors, str(path / fname), metadata={"format": "pt"})
-        weight_map.update({n: fname for n in shard})
+        weight_map.update({disk(n): fname for n in shard})
     total_size = sum(state[n].numel() * state[n].element_size() for n in names)
     # shards an earlier save left here are still fp8linear's (a later --force may remove them)
     earlier = (written_files(path) or set()) & {p.name for p in path.iterdir()}
@@ -249,6 +251,10 @@ def load_fp8_checkpoint(model: nn.Module, path, strict: bool = True) -> nn.Modul
     """
     ckpt = CheckpointDir(path)
     state, groups = _unique_state(model)
+    rename = to_model(model)  # (a transformers model: its checkpoints' names, renamed)
+    on_disk = {}
+    for name in ckpt.entries:
+        on_disk.setdefault(rename(name), name)
     fp8 = {n: m for n, m in fp8_modules(model) if isinstance(m, FP8Linear)}
     experts = _expert_tensors(model)
     buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
@@ -257,17 +263,17 @@ def load_fp8_checkpoint(model: nn.Module, path, strict: bool = True) -> nn.Modul
     # every tied group needs one copy on disk; missing tensors are reported before any load
     plan: dict[str, list] = {}  # checkpoint name -> model names it fills
     for group in groups:
-        present = [n for n in group if n in ckpt]
+        present = [n for n in group if n in on_disk]
         if not present:
             if all(n in buffers for n in group):
                 continue  # a buffer the model computes itself (e.g. BERT's position_ids)
             raise CheckpointError(f"tensor '{group[0]}' is missing from the checkpoint "
                                   f"({where}){_missing_hint(group[0], ckpt, fp8)}")
         for n in present:
-            plan[n] = group
+            plan[on_disk[n]] = group
     if strict:
         # a non-persistent buffer (not in state_dict) that an older save wrote is not extra
-        extra = sorted(set(ckpt.entries) - set(plan) - buffers)
+        extra = sorted(n for n in ckpt.entries if n not in plan and rename(n) not in buffers)
         if extra:
             e = ckpt.entries[extra[0]]
             raise CheckpointError(

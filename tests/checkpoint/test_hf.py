@@ -14,7 +14,7 @@ import fp8linear
 from fp8linear import FP8Linear, load_fp8_checkpoint, quantize_model
 from fp8linear.checkpoint import INDEX_NAME, CheckpointError, quantize_checkpoint
 from fp8linear.experts import FP8Experts
-from tiny_hf_moe import model_of, qwen3_moe
+from tiny_hf_moe import mixtral, model_of, qwen3_moe
 
 import transformers  # noqa: E402  (the dev extra's: missing, these tests fail, never skip)
 
@@ -93,19 +93,22 @@ def test_from_pretrained_runs_fp8linear_and_matches_the_original(tmp_path, arch,
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= min_top1
 
 
-def test_moe_checkpoints_load_per_expert_into_fp8_experts(tmp_path):
+@pytest.mark.parametrize("arch,expert", [
+    (qwen3_moe, "model.layers.1.mlp.experts.3.{}"),
+    # (transformers renames Mixtral's block_sparse_moe to mlp while loading, back while saving)
+    (mixtral, "model.layers.1.block_sparse_moe.experts.3.{}")])
+def test_moe_checkpoints_load_per_expert_into_fp8_experts(tmp_path, arch, expert):
     """transformers (>= 5) saves a MoE model's fused experts per expert; `fp8linear quantize`
     quantizes each expert's projections, from_pretrained runs them as FP8Experts, and
-    save_fp8_checkpoint writes the same per-expert tensors back (Qwen3-MoE: the checkpoint's
-    names are the model's but for the experts' split)."""
-    model, cfg = model_of(qwen3_moe)
+    save_fp8_checkpoint writes the same per-expert tensors back, under the same names."""
+    model, cfg = model_of(arch)
     cls = type(model)
     model.save_pretrained(tmp_path / "in")
     original = cls.from_pretrained(tmp_path / "in", dtype=torch.bfloat16).eval()
     quantize_checkpoint(tmp_path / "in", tmp_path / "out", progress=False)
     fp8 = fp8_weights(tmp_path / "out")
-    assert {f"model.layers.1.mlp.experts.7.{p}" for p in ("gate_proj", "up_proj",
-                                                          "down_proj")} <= fp8
+    names = {qwen3_moe: ("gate_proj", "up_proj", "down_proj"), mixtral: ("w1", "w3", "w2")}
+    assert {expert.format(p) for p in names[arch]} <= fp8
     loaded = fp8linear.from_pretrained(cls, tmp_path / "out")
     assert all(isinstance(layer.mlp.experts, FP8Experts) for layer in loaded.model.layers)
     in_memory = quantize_model(copy.deepcopy(original))
