@@ -188,7 +188,8 @@ def save_fp8_checkpoint(model: nn.Module, path, max_shard_bytes: int = DEFAULT_M
     Shards of at most ``max_shard_bytes`` (a larger single tensor gets a shard of its own),
     ``model.safetensors.index.json``, and ``config.json`` = ``config`` (else the model's
     ``config.to_dict()`` for transformers models, else an existing config.json in ``path``)
-    plus ``quantization_config``. Tied tensors are written once. Returns ``path``.
+    plus ``quantization_config``. Tied tensors are written once; a transformers model's
+    tensors under the names its checkpoints use (``hf_names``). Returns ``path``.
     """
     from safetensors.torch import save_file
     path = Path(path)
@@ -238,11 +239,12 @@ def save_fp8_checkpoint(model: nn.Module, path, max_shard_bytes: int = DEFAULT_M
 
 
 def load_fp8_checkpoint(model: nn.Module, path, strict: bool = True) -> nn.Module:
-    """Fill ``model`` (FP8Linear layers, e.g. after ``quantize_model``, and everything else
-    in its state_dict) from the checkpoint directory ``path``, tensor by tensor.
+    """Fill ``model`` (FP8Linear and FP8Experts layers, e.g. after ``quantize_model``, and
+    everything else in its state_dict) from the checkpoint directory ``path``, tensor by
+    tensor (a transformers model's names renamed by its rules: ``hf_names``).
 
-    FP8Linear weights must be float8_e4m3fn in the file and their scales fp32 (bf16/fp16
-    convert exactly), with the layer's shape (scales: 128x128 blocks or per row), finite
+    FP8 weights must be float8_e4m3fn in the file and their scales fp32 (bf16/fp16 convert
+    exactly), with the layer's shape (FP8Linear scales: 128x128 blocks or per row), finite
     and positive; other floating tensors are cast to the model's dtype. Buffers the
     checkpoint lacks keep the values the model computed (position ids, rotary tables), and
     the checkpoint's copies of non-persistent buffers are ignored. A missing tensor, wrong
