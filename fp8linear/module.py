@@ -163,8 +163,21 @@ def quantize_model(model: nn.Module, skip: Iterable[str] | str = ("lm_head",),
     if kept:
         warnings.warn(f"quantize_model: {len(kept)} MoE experts layer(s) stay in high "
                       f"precision, e.g. {kept[0]}", stacklevel=2)
+    _require_finite(model, [f"{n}.weight" for n in targets]
+                    + [f"{n}.{p}" for n in experts for p in ("gate_up_proj", "down_proj")])
     replace_linears(model, targets, ue8m0)
     return replace_experts(model, experts, ue8m0)
+
+
+def _require_finite(model: nn.Module, weights: list) -> None:
+    """Every weight quantize_model quantizes is finite, checked before any layer is replaced
+    (one read of each): a bad one leaves the model as it was."""
+    for name in weights:
+        w = model.get_parameter(name).detach()
+        if w.device.type != "meta" and not bool(torch.isfinite(w).all()):
+            idx = tuple(int(i) for i in (~torch.isfinite(w)).nonzero()[0].tolist())
+            raise ValueError(f"{name} has non-finite values (first at index {idx}, value "
+                             f"{float(w[idx])}): cannot quantize it")
 
 
 def replace_linears(model: nn.Module, names: Iterable[str], ue8m0: bool = False) -> nn.Module:

@@ -104,6 +104,17 @@ def test_quantize_model_twice_changes_nothing():
     assert experts_of(q) is experts
 
 
+def test_a_non_finite_expert_weight_stops_quantize_model_before_any_change():
+    model, _ = model_of(qwen3_moe)
+    with torch.no_grad():
+        model.model.layers[1].mlp.experts.down_proj[5, 2, 7] = float("inf")
+    with pytest.raises(ValueError) as e:
+        quantize_model(model)
+    assert str(e.value) == ("model.layers.1.mlp.experts.down_proj has non-finite values (first "
+                            "at index (5, 2, 7), value inf): cannot quantize it")
+    assert not any(isinstance(m, (FP8Experts, fp8linear.FP8Linear)) for m in model.modules())
+
+
 def test_experts_off_the_grid_stay_with_a_warning():
     model, _ = model_of(qwen3_moe(inter=96))
     with pytest.warns(UserWarning, match=r"quantize_model: 2 MoE experts layer\(s\) stay in high "

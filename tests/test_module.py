@@ -286,3 +286,14 @@ def test_replace_linears_takes_exact_names():
     with pytest.raises(TypeError) as e:
         replace_linears(model, ["norm"])
     assert str(e.value) == "'norm' is a LayerNorm, not an nn.Linear"
+
+
+def test_quantize_model_checks_every_weight_before_replacing_any():
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 192)).to(torch.bfloat16)
+    with torch.no_grad():
+        model[1].weight[3, 4] = float("nan")
+    with pytest.raises(ValueError) as e:
+        quantize_model(model, skip=())
+    assert str(e.value) == ("1.weight has non-finite values (first at index (3, 4), value nan): "
+                            "cannot quantize it")
+    assert all(type(m) is nn.Linear for m in model)  # (not the first one replaced)
