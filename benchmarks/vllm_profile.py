@@ -101,9 +101,8 @@ def report(per: dict, title: str, step_wall: float, top: int) -> str:
         lines.append(f"{e:9.1f} {t:9.1f} {c:7.1f}  {g}")
     lines += ["", f"## top {top} kernels (exposed us / step, duration us / step, launches / "
               "step, exposed us each, group)"]
-    for name, (t, e, c) in sorted(per.items(), key=lambda kv: -kv[1][1])[:top]:
-        if name == IDLE:
-            continue
+    kernels = sorted(((n, v) for n, v in per.items() if n != IDLE), key=lambda kv: -kv[1][1])
+    for name, (t, e, c) in kernels[:top]:
         each = f"{e / c:8.2f}" if c >= 0.5 else f"{'-':>8}"    # (launched in both runs alike)
         lines.append(f"{e:9.1f} {t:9.1f} {c:7.1f} {each}  {group_of(name):26} {name[:100]}")
     return "\n".join(lines) + "\n"

@@ -12,6 +12,7 @@ of the stacks, so checkpoints load and save expert by expert.
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import Optional
 
@@ -26,6 +27,7 @@ from .quant import (BLOCK, FP8_DTYPE, SCALE_LOAD_DTYPES, cdiv, check_scale_value
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # an expert's gate, up, down on disk
 
 
+@functools.lru_cache(maxsize=None)
 def checkpoint_names(model_type: Optional[str]) -> tuple[str, str, str]:
     """The names a ``model_type``'s checkpoints give an expert's gate, up and down
     projections, as transformers' own loading maps them into its fused stacks (Mixtral-style
@@ -155,9 +157,8 @@ class FP8Experts(FixedDtypes):
     def validate(self, name: str = "") -> None:
         """The one data check (finite, positive scales), at load time."""
         prefix = f"{name}." if name else ""
-        for key, s in self.state_items():
-            if key.endswith("weight_scale_inv"):
-                check_scale_values(s, prefix + key)
+        for key in ("gate_up_proj_scale_inv", "down_proj_scale_inv"):
+            check_scale_values(getattr(self, key), prefix + key)
 
     def scales(self) -> tuple:
         return self.gate_up_proj_scale_inv, self.down_proj_scale_inv

@@ -13,7 +13,8 @@ from .experts import FP8Experts, fused_experts_problem
 from .fixed_dtypes import FixedDtypes
 from .ops import check_weight, fp8_linear
 from .quant import (BLOCK, FP8_DTYPE, SCALE_LOAD_DTYPES, cdiv, check_block_size,
-                    check_scale_values, dequantize_weight, quantize_weight, weight_scale_shapes)
+                    check_scale_values, dequantize_weight, quantize_weight, require_values,
+                    weight_scale_shapes)
 
 
 class FP8Linear(FixedDtypes):
@@ -174,10 +175,8 @@ def _require_finite(model: nn.Module, weights: list) -> None:
     (one read of each): a bad one leaves the model as it was."""
     for name in weights:
         w = model.get_parameter(name).detach()
-        if w.device.type != "meta" and not bool(torch.isfinite(w).all()):
-            idx = tuple(int(i) for i in (~torch.isfinite(w)).nonzero()[0].tolist())
-            raise ValueError(f"{name} has non-finite values (first at index {idx}, value "
-                             f"{float(w[idx])}): cannot quantize it")
+        if w.device.type != "meta":
+            require_values(torch.isfinite(w), w, name, "non-finite values", "cannot quantize it")
 
 
 def replace_linears(model: nn.Module, names: Iterable[str], ue8m0: bool = False) -> nn.Module:

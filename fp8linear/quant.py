@@ -151,17 +151,19 @@ def check_scale_values(scale: torch.Tensor, name: str = "weight_scale_inv") -> N
     Reads the data (one host sync): run once when weights load, never per call.
     """
     scale = scale.detach()
-    bad = ~torch.isfinite(scale)
-    if bool(bad.any()):
-        idx = tuple(int(i) for i in bad.nonzero()[0].tolist())
-        raise ValueError(f"{name} has non-finite values (first at index {idx}, value "
-                         f"{float(scale[idx])}): the checkpoint is corrupt or was quantized "
-                         f"from weights holding inf/nan")
-    bad = scale <= 0
-    if bool(bad.any()):
-        idx = tuple(int(i) for i in bad.nonzero()[0].tolist())
-        raise ValueError(f"{name} has a non-positive value (first at index {idx}, value "
-                         f"{float(scale[idx])}): weight scales must be positive and finite")
+    require_values(torch.isfinite(scale), scale, name, "non-finite values",
+                   "the checkpoint is corrupt or was quantized from weights holding inf/nan")
+    require_values(scale > 0, scale, name, "a non-positive value",
+                   "weight scales must be positive and finite")
+
+
+def require_values(ok: torch.Tensor, t: torch.Tensor, name: str, what: str, tail: str) -> None:
+    """A ValueError naming ``name``, the first element where ``ok`` is False and its value,
+    unless ``ok`` holds everywhere (one host sync)."""
+    if not bool(ok.all()):
+        idx = tuple(int(i) for i in (~ok).nonzero()[0].tolist())
+        raise ValueError(f"{name} has {what} (first at index {idx}, value {float(t[idx])}): "
+                         f"{tail}")
 
 
 def dequantize_weight(w_fp8: torch.Tensor, scale_inv: torch.Tensor, dtype=torch.float32,

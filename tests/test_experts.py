@@ -10,6 +10,7 @@ import fp64_reference as ref
 import fp8linear
 from fp8linear import quantize_model, quantize_activation, quantize_weight
 from fp8linear.experts import FP8Experts, fused_experts_problem
+from expect import raises_exactly
 from tiny_hf_moe import experts_of, mixtral, model_of, qwen3_moe
 
 
@@ -35,8 +36,23 @@ def test_fused_experts_problem_takes_transformers_silu_experts_only():
     gelu = copy.deepcopy(experts_of(qwen))
     gelu.act_fn = torch.nn.GELU()
     assert fused_experts_problem(gelu) == "activation GELU (ours: SiLU(gate) * up)"
-    with pytest.raises(ValueError, match="got a GELU"):
+    biased = copy.deepcopy(experts_of(qwen))
+    biased.has_bias = True
+    assert fused_experts_problem(biased) == "biases, transposed or interleaved stacks, or no gate"
+    odd = copy.deepcopy(experts_of(qwen))
+    odd.down_proj = torch.nn.Parameter(odd.down_proj[:, :, :64], requires_grad=False)
+    assert fused_experts_problem(odd) == ("gate_up_proj (8, 256, 256) and down_proj (8, 256, 64) "
+                                          "are not [E, 2I, H] and [E, H, I]")
+    with raises_exactly(ValueError, "FP8Experts.from_experts takes a transformers fused-experts "
+                                    "layer, got a GELU: no 3-D gate_up_proj and down_proj"):
         FP8Experts.from_experts(gelu.act_fn)
+    with raises_exactly(ValueError, "FP8Experts.from_experts takes a transformers fused-experts "
+                                    "layer, got a Qwen3MoeExperts: activation GELU (ours: "
+                                    "SiLU(gate) * up)"):
+        FP8Experts.from_experts(gelu)
+    with raises_exactly(ValueError, "FP8Experts: the expert intermediate size must be a "
+                                    "multiple of 128, got 96"):
+        FP8Experts(8, 256, 96)
 
 
 def test_from_experts_quantizes_each_projection_of_each_expert_on_its_own():

@@ -219,7 +219,7 @@ def save_fp8_checkpoint(model: nn.Module, path, max_shard_bytes: int = DEFAULT_M
         fname = SINGLE_NAME if total == 1 else f"model-{i + 1:05d}-of-{total:05d}.safetensors"
         tensors = {disk(n): state[n].detach().to("cpu").contiguous() for n in shard}
         save_file(tensors, str(path / fname), metadata={"format": "pt"})
-        weight_map.update({disk(n): fname for n in shard})
+        weight_map.update(dict.fromkeys(tensors, fname))
     total_size = sum(state[n].numel() * state[n].element_size() for n in names)
     # shards an earlier save left here are still fp8linear's (a later --force may remove them)
     earlier = (written_files(path) or set()) & {p.name for p in path.iterdir()}

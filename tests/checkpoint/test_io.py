@@ -341,3 +341,15 @@ def test_fp8_experts_tensors_are_checked_before_anything_is_copied(tmp_path):
                             f"checkpoint with `fp8linear quantize`)")
     after = _snapshot(model)
     assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_save_refuses_fp8_experts_with_a_bad_scale(tmp_path):
+    from tiny_hf_moe import model_of, qwen3_moe
+    model = quantize_model(model_of(qwen3_moe)[0])
+    model.model.layers[1].mlp.experts.down_proj_scale_inv.data[6, 1, 0] = 0.0
+    with pytest.raises(ValueError) as e:
+        save_fp8_checkpoint(model, tmp_path / "out")
+    assert str(e.value) == ("model.layers.1.mlp.experts.down_proj_scale_inv has a non-positive "
+                            "value (first at index (6, 1, 0), value 0.0): weight scales must be "
+                            "positive and finite")
+    assert not (tmp_path / "out").exists()
