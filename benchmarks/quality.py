@@ -241,6 +241,15 @@ def prepare(gguf: str, out: str, force: bool = False) -> Path:
     return out
 
 
+def model_name(bf16_dir: Path, cfg: dict) -> str:
+    """MODEL_NAME for prepare's checkpoint; for one derived from it (moe_from_dense.py's
+    Mixtral) the first line of its SOURCE.txt, which names the derivation."""
+    source = bf16_dir / "SOURCE.txt"
+    if cfg.get("architectures") == ["LlamaForCausalLM"] or not source.exists():
+        return MODEL_NAME
+    return source.read_text().splitlines()[0]
+
+
 def _complete_config(path: Path, architecture: str) -> None:
     """What a GGUF-born config lacks for other readers: ``architectures`` (vLLM picks the
     model class by it), and the transformers-4 spellings ``rope_theta`` / ``torch_dtype``
@@ -269,11 +278,20 @@ def _transformers_model(bf16_dir, kind: str, device: str, fp8_dir=None):
         # as BF16 weights with BF16 activations: what the activations' 1x128 FP8 adds is
         # the gap to fp8_checkpoint
         from fp8linear import dequantize_weight, quantize_weight
+        from fp8linear.experts import fused_experts_problem
+
+        def rounded(w):
+            q, s = quantize_weight(w)
+            return dequantize_weight(q, s, torch.float32).to(dtype)
+
         with torch.no_grad():
             for name, mod in model.named_modules():
                 if isinstance(mod, torch.nn.Linear) and "lm_head" not in name:
-                    q, s = quantize_weight(mod.weight)
-                    mod.weight.copy_(dequantize_weight(q, s, torch.float32).to(dtype))
+                    mod.weight.copy_(rounded(mod.weight))
+                elif fused_experts_problem(mod) is None:  # each expert as quantize_model
+                    for stack in (mod.gate_up_proj, mod.down_proj):
+                        for e in range(stack.shape[0]):
+                            stack[e].copy_(rounded(stack[e]))
     if kind in ("fp8_checkpoint", "fp8_online"):
         import fp8linear
         # the same layers the CLI quantizes: every linear but the (tied) output head
@@ -308,29 +326,43 @@ def run_transformers(kind: str, bf16_dir, fp8_dir, windows, device: str) -> dict
 
 
 # ====================================================================== vLLM
-def _forbid_reference_backend():
-    """A GPU run must run fp8linear's CUDA kernels: the torch reference GEMM refuses CUDA
-    tensors (as in tests/integrations/vllm/engine_runner.py)."""
+def _forbid_reference_backend() -> list:
+    """A GPU run must run fp8linear's CUDA kernels: the torch reference GEMMs and MoE layer
+    refuse CUDA tensors (as in tests/integrations/vllm/engine_runner.py). Returns what it
+    patched."""
     import importlib
-    for modname in ("fp8linear.backends.reference",):
-        try:
-            ref = importlib.import_module(modname)
-        except ImportError:
-            continue
 
-        def refusing(fn):
-            def call(*args, **kwargs):
-                if any(getattr(a, "is_cuda", False) for a in args):
-                    raise RuntimeError("fp8linear's torch reference backend ran on a GPU "
-                                       "tensor")
-                return fn(*args, **kwargs)
-            return call
+    def refusing(fn):
+        def call(*args, **kwargs):
+            if any(getattr(a, "is_cuda", False) for a in args):
+                raise RuntimeError(f"fp8linear's torch reference {fn.__name__} ran on a GPU "
+                                   "tensor")
+            return fn(*args, **kwargs)
+        return call
 
-        for attr in ("gemm", "linear"):
-            if hasattr(ref, attr):
-                setattr(ref, attr, refusing(getattr(ref, attr)))
-        return modname
-    return None
+    patched = []
+    for modname, attrs in (("fp8linear.backends.reference", ("gemm", "linear")),
+                           ("fp8linear.moe", ("moe_reference",))):
+        mod = importlib.import_module(modname)
+        for attr in attrs:
+            setattr(mod, attr, refusing(getattr(mod, attr)))
+            patched.append(f"{modname}.{attr}")
+    return patched
+
+
+def _count_sm90_moe_calls() -> dict:
+    """Counts the calls of fp8linear's sm90 MoE layer (Python calls: while vLLM warms up and
+    captures its graphs), so that a GPU row shows its MoE layers ran on our kernels, not on
+    vLLM's (the plugin's logged fallback)."""
+    from fp8linear.backends.sm90 import moe as sm90_moe
+    calls = {"n": 0}
+    inner = sm90_moe.fused_moe
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return inner(*args, **kwargs)
+    sm90_moe.fused_moe = counted
+    return calls
 
 
 def vllm_worker(spec_path: str, out_path: str) -> int:
@@ -338,8 +370,10 @@ def vllm_worker(spec_path: str, out_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     res: dict = {}
     try:
+        moe_calls = None
         if spec.get("forbid_reference"):
             res["forbid_reference"] = _forbid_reference_backend()
+            moe_calls = _count_sm90_moe_calls()
         from vllm import LLM, SamplingParams
         win = max(len(w) for w in spec["windows"])
         kw = dict(model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16",
@@ -362,6 +396,8 @@ def vllm_worker(spec_path: str, out_path: str) -> int:
             top += am
         res.update({"logprobs": lps, "argmax": top, "load_s": round(t1 - t0, 1),
                     "eval_s": round(time.time() - t1, 1)})
+        if moe_calls is not None:
+            res["sm90_moe_calls"] = moe_calls["n"]
         try:  # which quantization method vLLM's linear layers ended up with
             def methods(model):
                 seen = {}
@@ -509,7 +545,7 @@ def run(args) -> int:
         "python": platform.python_version(),
         "command": "python benchmarks/quality.py " + " ".join(sys.argv[1:]),
         "quantize_command": quantize_cmd or f"(given: --fp8 {args.fp8})",
-        "model": {"name": MODEL_NAME, "bf16_dir": str(bf16_dir), "fp8_dir": str(fp8_dir),
+        "model": {"name": model_name(bf16_dir, cfg), "bf16_dir": str(bf16_dir), "fp8_dir": str(fp8_dir),
                   "architectures": cfg.get("architectures"),
                   "hidden_size": cfg.get("hidden_size"),
                   "intermediate_size": cfg.get("intermediate_size"),
@@ -608,7 +644,7 @@ def build_rows(rows: list, stats: dict) -> list:
                                                             "fp8_blockgemm"):
             row["note"] = ONLINE_NOTE
         for k in ("load_s", "eval_s", "wall_s", "fp8_layers", "quant_methods",
-                  "forbid_reference"):
+                  "forbid_reference", "sm90_moe_calls"):
             if k in st:
                 row[k] = st[k]
         out.append(row)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the device, vLLM 0.24.0 in /tmp/vllm-site (../shared/vllm-device), the API server's extra wheels in .whl/,
-# the platform wheel in dist/, SmolLM2 chunks in /tmp/ck (benchmarks/quality.py chunk). Installs the wheel into vLLM's
+# the platform wheel in dist/, SmolLM2 chunks in /tmp/ck (tar + split, benchmarks/quality.py's docstring). Installs the wheel into vLLM's
 # site, then: cold start of `vllm serve` BF16 vs block FP8 (fp8_blockgemm; caches cleared before each), HTTP checks
 # (http_client.py), clean stop; BF16 quantized while loading.
 set -u
@@ -18,7 +18,7 @@ ls /tmp/vllm-site/fp8linear/backends/sm90/prebuilt/ | tee -a $L
 command -v nvcc >/dev/null && say "(nvcc is on this machine at $(command -v nvcc); the wheel must not need it)"
 say "\$ python3 -m fp8linear.cli build   # with the wheel: nothing to compile"
 (cd /tmp && python3 -m fp8linear.cli build) 2>&1 | tee -a $L  # (from /tmp: the installed wheel, not the checkout)
-[ -d /tmp/smollm2-bf16 ] || python3 benchmarks/quality.py unchunk /tmp/ck /tmp/smollm2-bf16 >> $L 2>&1
+[ -d /tmp/smollm2-bf16 ] || ( (cd /tmp/ck && sha256sum -c SUMS) && cat /tmp/ck/smollm2-bf16.tar.* | tar -xf - -C /tmp) >> $L 2>&1
 say "\$ fp8linear quantize /tmp/smollm2-bf16 /tmp/smollm2-fp8"
 [ -d /tmp/smollm2-fp8 ] || python3 -m fp8linear.cli quantize /tmp/smollm2-bf16 /tmp/smollm2-fp8 --quiet 2>&1 | tee -a $L
 rm -f /tmp/ready.txt

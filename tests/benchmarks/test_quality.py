@@ -163,6 +163,23 @@ class CharTokenizer:
         return {"input_ids": [ord(c) for c in text]}
 
 
+def test_a_gpu_quality_run_refuses_the_reference_paths(monkeypatch):
+    import fp8linear.backends.reference as ref
+    import fp8linear.moe as moe
+    for mod, attr in ((ref, "gemm"), (ref, "linear"), (moe, "moe_reference")):
+        monkeypatch.setattr(mod, attr, getattr(mod, attr))  # restored after the test
+    patched = quality._forbid_reference_backend()
+    assert patched == ["fp8linear.backends.reference.gemm",
+                       "fp8linear.backends.reference.linear", "fp8linear.moe.moe_reference"]
+
+    class OnGpu:
+        is_cuda = True
+    with pytest.raises(RuntimeError, match="reference moe_reference ran on a GPU tensor"):
+        moe.moe_reference(OnGpu(), None, None, None, None, None, None)
+    with pytest.raises(RuntimeError, match="reference gemm ran on a GPU tensor"):
+        ref.gemm(OnGpu(), None, None, None, None, None)
+
+
 def test_text_sources_are_shipped():
     for name in quality.TEXT_SOURCES:
         assert (quality.DATA / name).stat().st_size > 1000
