@@ -32,14 +32,18 @@ from pathlib import Path
 
 BLOCK = 128  # the weights' FP8 block: every expert slice stays on its grid
 _MLP = re.compile(r"^(model\.layers\.\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.weight$")
-_KEYS_DROPPED = ("mlp_bias", "pretraining_tp", "head_dim_original")
+_KEYS_DROPPED = ("mlp_bias", "pretraining_tp")  # Llama-only fields
 
 
-def _plan(cfg: dict, groups: int, src: Path) -> int:
-    """Checks the dense config; returns the experts' intermediate size."""
+def _check_dense(cfg: dict, groups: int, src: Path) -> None:
+    """What the split needs of the dense model's config (a ValueError naming the field)."""
     if cfg.get("model_type") != "llama" or cfg.get("mlp_bias"):
         raise ValueError(f"{src}/config.json: expected a Llama model without MLP biases "
                          f"(model_type 'llama'), got {cfg.get('model_type')!r}")
+    missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers")
+               if not isinstance(cfg.get(k), int)]
+    if missing:
+        raise ValueError(f"{src}/config.json: no integer {', '.join(missing)}")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{src}/config.json: hidden_act {cfg['hidden_act']!r}, expected 'silu'")
     if groups < 1 or groups & (groups - 1):
@@ -48,7 +52,6 @@ def _plan(cfg: dict, groups: int, src: Path) -> int:
     if inter % (groups * BLOCK):
         raise ValueError(f"{src}/config.json: intermediate_size {inter} does not split into "
                          f"{groups} groups of a multiple of {BLOCK} channels")
-    return inter // groups
 
 
 def moe_config(cfg: dict, groups: int) -> dict:
@@ -94,7 +97,7 @@ def split_checkpoint(dense: str, out: str, groups: int = 4, seed: int = 0,
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path}: no such file (a dense checkpoint folder)")
     cfg = json.loads(cfg_path.read_text())
-    _plan(cfg, groups, src)
+    _check_dense(cfg, groups, src)
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{src}: no *.safetensors file")

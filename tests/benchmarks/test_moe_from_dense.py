@@ -117,6 +117,7 @@ def test_quality_names_the_derived_model(pair):
 @pytest.mark.parametrize("change, groups, message", [
     ({"model_type": "qwen2"}, 4, "expected a Llama model"),
     ({"hidden_act": "gelu"}, 4, "hidden_act 'gelu'"),
+    ({"intermediate_size": None}, 4, "no integer intermediate_size"),
     ({}, 3, "--groups 3: expected a power of two"),
     ({"intermediate_size": 384}, 4, "intermediate_size 384 does not split into 4 groups"),
 ])
