@@ -351,9 +351,9 @@ def _forbid_reference_backend() -> list:
 
 
 def _count_sm90_moe_calls() -> dict:
-    """Counts the calls of fp8linear's sm90 MoE layer (Python calls: while vLLM warms up and
-    captures its graphs), so that a GPU row shows its MoE layers ran on our kernels, not on
-    vLLM's (the plugin's logged fallback)."""
+    """Counts the Python calls of fp8linear's sm90 MoE layer (every eager forward; with CUDA
+    graphs, the warm-up and captures), so that a GPU row shows that its MoE layers ran on our
+    kernels, not on vLLM's (the plugin's logged fallback)."""
     from fp8linear.backends.sm90 import moe as sm90_moe
     calls = {"n": 0}
     inner = sm90_moe.fused_moe
@@ -545,7 +545,8 @@ def run(args) -> int:
         "python": platform.python_version(),
         "command": "python benchmarks/quality.py " + " ".join(sys.argv[1:]),
         "quantize_command": quantize_cmd or f"(given: --fp8 {args.fp8})",
-        "model": {"name": model_name(bf16_dir, cfg), "bf16_dir": str(bf16_dir), "fp8_dir": str(fp8_dir),
+        "model": {"name": model_name(bf16_dir, cfg), "bf16_dir": str(bf16_dir),
+                  "fp8_dir": str(fp8_dir),
                   "architectures": cfg.get("architectures"),
                   "hidden_size": cfg.get("hidden_size"),
                   "intermediate_size": cfg.get("intermediate_size"),
