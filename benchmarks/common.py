@@ -7,15 +7,19 @@ they run and can be checked on a machine without a GPU; the timing helpers need 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime as _dt
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 # ------------------------------------------------------------------------------ shapes
@@ -411,6 +415,31 @@ def write_json(path: str, header: dict, rows: list[dict]) -> None:
     with open(tmp, "w") as f:
         json.dump({"header": header, "rows": rows}, f, indent=1, default=_json_default)
     os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def new_folder(out):
+    """A temporary folder beside ``out`` to write a checkpoint into. On success it becomes
+    ``out``, readable by all (an old ``out`` renamed away first, so never half deleted); on any
+    error it is removed and ``out`` stays as it was."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)  # (mkdtemp's 0700: a server under another account could not read it)
+        for p in tmp.iterdir():
+            os.chmod(p, 0o644)
+        if out.exists():
+            old = tmp.with_name(tmp.name + "-old")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out)
+    except BaseException:  # KeyboardInterrupt too: never a partial folder left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _json_default(o):

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import sys
-import tempfile
 from pathlib import Path
+
+import common
 
 BLOCK = 128  # the weights' FP8 block: every expert slice stays on its grid
 _MLP = re.compile(r"^(model\.layers\.\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -125,9 +125,7 @@ def split_checkpoint(dense: str, out: str, groups: int = 4, seed: int = 0,
                                 groups).items():
             state[f"{prefix}.block_sparse_moe.{k}"] = v
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with common.new_folder(out) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(
             json.dumps(moe_config(cfg, groups), indent=2, sort_keys=True) + "\n")
@@ -143,15 +141,6 @@ def split_checkpoint(dense: str, out: str, groups: int = 4, seed: int = 0,
             f"Each expert pair holds 1/{groups} of a layer's MLP channels; the router picks "
             "one of each pair with equal weights, so the model computes the dense model's "
             f"MLP.\nThe dense checkpoint: {dense_source}\n")
-        for p in tmp.iterdir():
-            os.chmod(p, 0o644)
-        os.chmod(tmp, 0o755)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -190,10 +190,8 @@ def prepare(gguf: str, out: str, force: bool = False) -> Path:
     gguf, out = Path(gguf).resolve(), Path(out)
     if not gguf.is_file():
         raise FileNotFoundError(f"{gguf}: no such GGUF file")
-    if out.exists():
-        if not force:
-            raise FileExistsError(f"{out} exists (pass --force to replace it)")
-        shutil.rmtree(out)
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} exists (pass --force to replace it)")
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                  dtype=torch.float32)
@@ -203,9 +201,7 @@ def prepare(gguf: str, out: str, force: bool = False) -> Path:
     if hasattr(cfg, "quantization_config"):
         delattr(cfg, "quantization_config")
     cfg.dtype = "bfloat16"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent
-                                if out.parent.exists() else None))
-    try:
+    with common.new_folder(out) as tmp:
         state, seen = {}, {}
         for name, t in model.state_dict().items():
             key = (t.data_ptr(), tuple(t.shape))
@@ -230,14 +226,6 @@ def prepare(gguf: str, out: str, force: bool = False) -> Path:
             f"Converted by benchmarks/quality.py prepare from {gguf.name} "
             f"(sha256 {sha256_file(gguf)}), {MODEL_NAME}.\n"
             "Weights: the GGUF's Q4_1 blocks dequantized by transformers, rounded to bf16.\n")
-        os.chmod(tmp, 0o755)
-        for p in tmp.iterdir():
-            os.chmod(p, 0o644)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -39,3 +39,20 @@ def test_git_commit_flags_modified_code_and_takes_the_environment(tmp_path, monk
         head + " (fp8linear/, integrations/ or csrc/ modified in the work tree)")
     monkeypatch.setenv("FP8LINEAR_GIT_COMMIT", "abc1234")
     assert common.git_commit() == "abc1234"
+
+
+def test_new_folder_replaces_whole_or_not_at_all(tmp_path):
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    with pytest.raises(RuntimeError, match="half written"):
+        with common.new_folder(out) as tmp:
+            (tmp / "new.txt").write_text("new")
+            raise RuntimeError("half written")
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temporary folder left
+    assert [p.name for p in out.iterdir()] == ["old.txt"]
+    with common.new_folder(out) as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+    assert [p.name for p in out.iterdir()] == ["new.txt"]
+    assert (out.stat().st_mode & 0o777, (out / "new.txt").stat().st_mode & 0o777) == (0o755, 0o644)
