@@ -420,8 +420,9 @@ def write_json(path: str, header: dict, rows: list[dict]) -> None:
 @contextlib.contextmanager
 def new_folder(out):
     """A temporary folder beside ``out`` to write a checkpoint into. On success it becomes
-    ``out``, readable by all (an old ``out`` renamed away first, so never half deleted); on any
-    error it is removed and ``out`` stays as it was."""
+    ``out``, readable by all (as ``fp8linear quantize`` swaps its output in); on any error it
+    is removed and ``out`` stays as it was."""
+    from fp8linear.checkpoint.convert import swap_in
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -430,13 +431,7 @@ def new_folder(out):
         os.chmod(tmp, 0o755)  # (mkdtemp's 0700: a server under another account could not read it)
         for p in tmp.iterdir():
             os.chmod(p, 0o644)
-        if out.exists():
-            old = tmp.with_name(tmp.name + "-old")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
+        swap_in(tmp, out)
     except BaseException:  # KeyboardInterrupt too: never a partial folder left behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -122,17 +122,23 @@ def quantize_checkpoint(in_dir, out_dir, skip: Iterable[str] | str = (), ue8m0: 
         config = dict(config, quantization_config=quantization_config(ue8m0, ignored))
         _write_json(tmp / CONFIG_NAME, config)
         validate_quantized_checkpoint(tmp, src)
-        if out_path.exists():  # renamed away first: the old output is never half deleted
-            old = tmp.with_name(tmp.name + "-old")
-            os.replace(out_path, old)
-            os.replace(tmp, out_path)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out_path)
+        swap_in(tmp, out_path)
     except BaseException:  # KeyboardInterrupt too: never leave a partial output behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return report
+
+
+def swap_in(tmp: Path, out: Path) -> None:
+    """The finished folder ``tmp`` becomes ``out``; an old ``out`` is renamed away first and
+    deleted after, so it is never half deleted."""
+    if out.exists():
+        old = tmp.with_name(tmp.name + "-old")
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, out)
 
 
 def _convert_shards(src: CheckpointDir, tmp: Path, plan: dict, ue8m0: bool, progress: bool,
